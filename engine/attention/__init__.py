@@ -1,0 +1,137 @@
+"""Attention backends behind one interface, and the per-step forward context.
+
+The model runner builds one `CommonAttentionMetadata` per step, hands it to the backend's
+`build` (all per-step precomputation happens there, once), and runs the model inside
+`set_forward_context(metadata)`; each attention layer reads the metadata back with
+`get_forward_context()` and calls `backend.forward`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """Backend-independent description of one step's flat batch."""
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, cumulative query lengths (on device)
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32, same on CPU
+    seq_lens: torch.Tensor  # [num_reqs] int32, context length after this step (on device)
+    seq_lens_cpu: torch.Tensor  # [num_reqs] int32, num_computed_tokens + num_scheduled_tokens
+    block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32, on device
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64, block_id * block_size + offset
+    num_reqs: int
+    num_actual_tokens: int  # sum of query lengths; inputs may be padded beyond it
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape and size of one model's paged KV cache: per layer a (k_cache, v_cache) pair."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block id costs across all layers, K and V together."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def allocate(
+        self, num_blocks: int, block_size: int, device: torch.device | str
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zero-filled caches for every layer.
+
+        Zeros matter: attention gathers whole blocks and masks the unused slots, and a NaN
+        left in a masked slot by `torch.empty` would still poison the softmax.
+        """
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        return [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=device),
+                torch.zeros(shape, dtype=self.dtype, device=device),
+            )
+            for _ in range(self.num_layers)
+        ]
+
+
+class AttentionBackend(ABC):
+    """Paged causal attention over a flat batch of requests.
+
+    KV cache layout per layer: `k_cache`, `v_cache`, each
+    `[num_blocks, block_size, num_kv_heads, head_dim]`.
+    """
+
+    name: str
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> Any:
+        """Precompute everything the step's layers share (indices, masks, groups), once."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: Any,
+        scale: float,
+    ) -> torch.Tensor:
+        """Write the step's k/v into the caches, then attend; returns [T, num_heads, head_dim].
+
+        Mutates `k_cache`/`v_cache`: all new tokens of the batch are written (through
+        `slot_mapping`) before any request reads, so a block shared in this step is complete.
+        Each request's new queries attend causally to its whole context through its block
+        table. Rows past `num_actual_tokens` (padding) come back as zeros.
+        """
+
+
+def get_attn_backend(name: str) -> AttentionBackend:
+    """Backend instance by name."""
+    if name == "torch":
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: 'torch'")
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: Any  # what the backend's `build` returned for this step
+
+
+_forward_context: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def set_forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
+    """Make `attn_metadata` visible to every attention layer for one model forward."""
+    global _forward_context
+    previous = _forward_context
+    _forward_context = ForwardContext(attn_metadata=attn_metadata)
+    try:
+        yield _forward_context
+    finally:
+        _forward_context = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _forward_context is None:
+        raise RuntimeError("no forward context: run the model inside set_forward_context(...)")
+    return _forward_context

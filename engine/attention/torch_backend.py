@@ -1,0 +1,131 @@
+"""The `torch` attention backend: paged attention with plain torch ops, on any device.
+
+Requests are split into a decode group (query_len == 1) and a prefill group (query_len > 1,
+including chunked prefill over cached context). Each group is padded to a rectangle
+`[num_group_reqs, max_query_len]` of queries against `[num_group_reqs, num_blocks * block_size]`
+keys gathered through the block table, so one `scaled_dot_product_attention` call per group
+serves all its requests: no per-sequence Python loop in `forward`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionBackend, CommonAttentionMetadata
+
+
+@dataclass
+class AttentionGroup:
+    """Requests that share one padded SDPA call."""
+
+    query_index: torch.Tensor  # [S, Q] int64, flat row of each padded query (pads repeat a row)
+    valid_index: torch.Tensor  # [N] int64, which of the S * Q padded rows are real tokens
+    token_index: torch.Tensor  # [N] int64, the flat row each real token writes its output to
+    block_table: torch.Tensor  # [S, B] block ids covering each request's context
+    attn_mask: torch.Tensor  # [S, 1, Q, B * block_size] bool, True = may attend
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64
+    num_actual_tokens: int
+    groups: list[AttentionGroup]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        qsl = common.query_start_loc_cpu[: common.num_reqs + 1].long()
+        query_lens = qsl[1:] - qsl[:-1]
+        groups = []
+        for req_index in ((query_lens == 1).nonzero(), (query_lens > 1).nonzero()):
+            if req_index.numel():
+                groups.append(_build_group(common, req_index.squeeze(1), qsl, query_lens))
+        return TorchAttentionMetadata(
+            slot_mapping=common.slot_mapping[: common.num_actual_tokens].long(),
+            num_actual_tokens=common.num_actual_tokens,
+            groups=groups,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_tokens = metadata.num_actual_tokens
+        _, block_size, num_kv_heads, head_dim = k_cache.shape
+        # Write the whole batch first: a later request may read a block written in this step.
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+            0, metadata.slot_mapping, k[:num_tokens].to(k_cache.dtype)
+        )
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+            0, metadata.slot_mapping, v[:num_tokens].to(v_cache.dtype)
+        )
+        num_heads = q.shape[1]
+        out = torch.zeros_like(q)
+        for group in metadata.groups:
+            num_seqs, max_query_len = group.query_index.shape
+            context_len = group.block_table.shape[1] * block_size
+            query = q.index_select(0, group.query_index.flatten())
+            query = query.view(num_seqs, max_query_len, num_heads, head_dim).transpose(1, 2)
+            flat_blocks = group.block_table.flatten()
+            key = k_cache.index_select(0, flat_blocks).view(
+                num_seqs, context_len, num_kv_heads, head_dim
+            )
+            value = v_cache.index_select(0, flat_blocks).view_as(key)
+            attn = F.scaled_dot_product_attention(
+                query,
+                key.transpose(1, 2).to(q.dtype),
+                value.transpose(1, 2).to(q.dtype),
+                attn_mask=group.attn_mask,
+                scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
+            )
+            attn = attn.transpose(1, 2).reshape(num_seqs * max_query_len, num_heads, head_dim)
+            out.index_copy_(0, group.token_index, attn.index_select(0, group.valid_index))
+        return out
+
+
+def _build_group(
+    common: CommonAttentionMetadata,
+    req_index: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    query_lens: torch.Tensor,
+) -> AttentionGroup:
+    device = common.block_table.device
+    query_lens = query_lens[req_index]
+    seq_lens = common.seq_lens_cpu[req_index].long()
+    num_computed_tokens = seq_lens - query_lens
+    max_query_len = int(query_lens.max())
+    offsets = torch.arange(max_query_len)
+    valid = offsets[None, :] < query_lens[:, None]
+    # Pads repeat the request's last token; their outputs are dropped, never scattered.
+    query_index = query_start_loc[req_index][:, None] + torch.minimum(
+        offsets[None, :], query_lens[:, None] - 1
+    )
+    valid_index = valid.flatten().nonzero().squeeze(1)
+    num_blocks = -(-int(seq_lens.max()) // common.block_size)
+    key_pos = torch.arange(num_blocks * common.block_size)
+    # Pad rows (offset >= query_len) see the whole context, so no row is fully masked (NaN).
+    attn_mask = (key_pos[None, None, :] < seq_lens[:, None, None]) & (
+        key_pos[None, None, :] <= (num_computed_tokens[:, None] + offsets[None, :])[:, :, None]
+    )
+    # Table entries past a request's last block are never attended to, only gathered:
+    # clamp so padding values such as -1 still index a real block.
+    block_table = common.block_table.index_select(0, req_index.to(device))[:, :num_blocks]
+    return AttentionGroup(
+        query_index=query_index.to(device),
+        valid_index=valid_index.to(device),
+        token_index=query_index.flatten()[valid_index].to(device),
+        block_table=block_table.long().clamp_(min=0),
+        attn_mask=attn_mask[:, None].to(device),
+    )

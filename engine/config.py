@@ -1,0 +1,79 @@
+"""Engine configuration: frozen dataclasses, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that shapes one engine instance. Keyword names follow vLLM's `LLM(...)`."""
+
+    model: str | None = None  # HF folder or .gguf file; None = SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto = cuda if available, else cpu
+    seed: int = 0
+    attention_backend: str = "auto"  # auto = triton on CUDA, torch elsewhere
+    # Cache
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # exactly this many blocks when set
+    kv_cache_memory_bytes: int = 1 << 30  # otherwise the pool is sized from this budget
+    enable_prefix_caching: bool = True
+    # Scheduler
+    max_num_seqs: int = 128  # running requests at once
+    max_num_batched_tokens: int = 2048  # the per-step token_budget
+    max_model_len: int | None = None  # None = the model's max_position_embeddings, capped at 8192
+    long_prefill_token_threshold: int = 0  # >0: a prefill takes at most this many tokens a step
+    max_waiting_requests: int = 4096  # add_request beyond this raises (overload is answered)
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}")
+        check(self.block_size in (8, 16, 32), "block_size", "must be 8, 16 or 32")
+        check(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", "must be >= 2"
+        )
+        check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
+        check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        check(
+            self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"
+        )
+        check(
+            self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", "must be >= 0"
+        )
+        check(self.max_waiting_requests >= 1, "max_waiting_requests", "must be >= 1")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        """Build from `LLM(**kwargs)`; an unknown keyword is an error, not silently ignored."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler needs, resolved against the model (max_model_len is known)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    long_prefill_token_threshold: int = 0
+    max_waiting_requests: int = 4096
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV pool as allocated: the number of blocks is final here."""
+
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool = True

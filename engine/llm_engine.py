@@ -1,0 +1,347 @@
+"""The user-facing engine: prompts in, `RequestOutput`s out (vLLM's `LLMEngine` and `LLM`).
+
+`LLMEngine` tokenizes, fans a request with `n > 1` out into `n` child requests that share
+the prompt's KV blocks through the prefix cache, runs `EngineCore` steps, and turns token
+outputs into text with incremental detokenization and stop strings.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_core import EngineCore
+from engine.loader import load_tokenizer, resolve_model
+from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
+from engine.request import Request, SamplingParams
+from engine.scheduler import SchedulerStats
+
+logger = logging.getLogger("kvrail.engine")
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class ChildState:
+    """One completion of a request: its detokenizer and what was produced so far."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: dict[str, ChildState]  # child request id -> state
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+
+class LLMEngine:
+    """Request-level engine. Not thread-safe: one thread drives `step()`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
+        self.config = config
+        model_dir = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.engine_core = EngineCore(config, model_dir, self.tokenizer.eos_token_id)
+        self.max_model_len = self.engine_core.max_model_len
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_parent: dict[str, str] = {}
+        logger.info("engine ready in %.1f s", time.perf_counter() - start)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A prompt is text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must be a string or a list of token ids")
+        vocab_size = self.engine_core.model_runner.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        return None, list(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        if not self.tokenizer.chat_template:
+            raise ValueError("this model has no chat template")
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        output_token_ids: Sequence[int] = (),
+    ) -> None:
+        """Validate and queue a request; with `n > 1`, its children share the prompt's KV.
+
+        `output_token_ids` resumes a request whose earlier tokens were already delivered
+        elsewhere (n == 1 only): they are recomputed, not sampled or emitted again.
+        """
+        if request_id in self.parents:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        if len(prompt_token_ids) + len(output_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens, more than max_model_len "
+                f"{self.max_model_len}"
+            )
+        if output_token_ids and params.n != 1:
+            raise ValueError("resuming a request needs n == 1")
+        children = {}
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            child_params = copy.copy(params)
+            child_params.n = 1
+            if params.seed is not None:
+                child_params.seed = params.seed + index
+            if output_token_ids and child_params.max_tokens is not None:
+                child_params.max_tokens -= len(output_token_ids)
+            children[child_id] = ChildState(
+                index=index,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, child_params, list(output_token_ids)
+                ),
+                params=child_params,
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+        requests = [
+            Request(
+                child_id,
+                prompt_token_ids + list(output_token_ids),
+                child.params,
+                self.tokenizer.eos_token_id,
+            )
+            for child_id, child in children.items()
+        ]
+        for request in requests:
+            self.engine_core.add_request(request)
+        self.parents[request_id] = ParentState(request_id, prompt_text, prompt_token_ids, children)
+        for child_id in children:
+            self.child_to_parent[child_id] = request_id
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Abort requests (by the id given to `add_request`); their KV is freed now."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            parent = self.parents.pop(request_id, None)
+            if parent is None:
+                continue
+            self.engine_core.abort_requests(list(parent.children))
+            for child_id in parent.children:
+                del self.child_to_parent[child_id]
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step. Returns, per request that progressed, the new text and tokens."""
+        deltas: dict[str, list[CompletionOutput]] = {}
+        stops: dict[str, str] = {}
+        for out in self.engine_core.step():
+            parent_id = self.child_to_parent.get(out.request_id)
+            if parent_id is None:
+                continue
+            parent = self.parents[parent_id]
+            delta = self._process_output(parent, out, stops)
+            deltas.setdefault(parent_id, []).append(delta)
+        if stops:
+            self.engine_core.finish_requests_by_stop_string(stops)
+        outputs = []
+        for parent_id, completions in deltas.items():
+            parent = self.parents[parent_id]
+            finished = parent.finished
+            outputs.append(
+                RequestOutput(
+                    request_id=parent_id,
+                    prompt=parent.prompt,
+                    prompt_token_ids=parent.prompt_token_ids,
+                    outputs=completions,
+                    finished=finished,
+                    num_cached_tokens=parent.num_cached_tokens,
+                )
+            )
+            if finished:
+                del self.parents[parent_id]
+                for child_id in parent.children:
+                    del self.child_to_parent[child_id]
+        return outputs
+
+    def _process_output(
+        self, parent: ParentState, out: EngineCoreOutput, stops: dict[str, str]
+    ) -> CompletionOutput:
+        child = parent.children[out.request_id]
+        parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        child.token_ids.extend(out.new_token_ids)
+        new_logprobs = [self._to_logprob_dict(entry) for entry in out.new_logprobs]
+        if child.logprobs is not None:
+            child.logprobs.extend(new_logprobs)
+            child.cumulative_logprob += sum(entry.logprobs[0] for entry in out.new_logprobs)
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        stop_string = child.detokenizer.update(out.new_token_ids)
+        if stop_string is not None:
+            if finish_reason is None:
+                stops[out.request_id] = stop_string
+            finish_reason, stop_reason = "stop", stop_string
+        child.finish_reason, child.stop_reason = finish_reason, stop_reason
+        return CompletionOutput(
+            index=child.index,
+            text=child.detokenizer.get_next_output_text(finish_reason is not None, delta=True),
+            token_ids=list(out.new_token_ids),
+            cumulative_logprob=child.cumulative_logprob,
+            logprobs=new_logprobs if child.logprobs is not None else None,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )
+
+    def _to_logprob_dict(self, entry) -> dict[int, Logprob]:
+        result: dict[int, Logprob] = {}
+        decode = self.tokenizer.convert_ids_to_tokens
+        for i, (token_id, logprob) in enumerate(zip(entry.token_ids, entry.logprobs, strict=True)):
+            rank = entry.sampled_token_rank if i == 0 else i
+            if token_id not in result:
+                result[token_id] = Logprob(logprob, rank, decode(token_id))
+        return result
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.engine_core.get_stats()
+
+
+def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Fold a step's delta into the running total of one request."""
+    if acc is None:
+        acc = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False)
+    by_index = {c.index: c for c in acc.outputs}
+    for d in delta.outputs:
+        c = by_index.get(d.index)
+        if c is None:
+            c = by_index[d.index] = CompletionOutput(
+                d.index, "", [], logprobs=[] if d.logprobs is not None else None
+            )
+        c.text += d.text
+        c.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            c.logprobs.extend(d.logprobs)
+        c.cumulative_logprob = d.cumulative_logprob
+        c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+    acc.outputs = sorted(by_index.values(), key=lambda c: c.index)
+    acc.finished = delta.finished
+    acc.num_cached_tokens = delta.num_cached_tokens
+    return acc
+
+
+class LLM:
+    """Offline batch generation with vLLM's interface: `LLM(model).generate(prompts, params)`."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine.from_kwargs(model=model, **kwargs)
+        self._next_request_id = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate completions for all prompts; returns them in the order given."""
+        if isinstance(prompts, (str, dict)) or (
+            prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts"
+            )
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params, strict=True):
+                request_id = str(self._next_request_id)
+                self._next_request_id += 1
+                self.llm_engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.llm_engine.apply_chat_template(list(c), **(chat_template_kwargs or {}))
+            for c in conversations
+        ]
+        # The template already carries any BOS: tokenize without adding special tokens.
+        tokenizer = self.llm_engine.tokenizer
+        token_prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outputs = self.generate(token_prompts, sampling_params, use_tqdm)
+        for output, prompt in zip(outputs, prompts, strict=True):
+            output.prompt = prompt
+        return outputs
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm)
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for delta in self.llm_engine.step():
+                    results[delta.request_id] = merge_delta(results.get(delta.request_id), delta)
+                    if delta.finished:
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [results[r] for r in request_ids]

@@ -1,0 +1,233 @@
+"""The model runner: turns a `SchedulerOutput` into one flat batch, runs the model, samples.
+
+It keeps its own copy of each live request (token ids, block table) in persistent numpy
+arrays, updated from the scheduler's per-step diffs, so a step's inputs are built with a
+few vectorised gathers instead of per-token Python work.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.attention import CommonAttentionMetadata, get_attn_backend, set_forward_context
+from engine.config import EngineConfig
+from engine.loader import load_model
+from engine.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
+from engine.request import SamplingParams
+from engine.sampler import Sampler, SamplingMetadata
+
+logger = logging.getLogger("kvrail.model_runner")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # Greedy parity on CPU needs fp32 (bf16 flips near-ties); GPUs run bf16.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    row: int  # row in the persistent token / block-table arrays
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None  # set for seeded requests; lives across preemptions
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        max_model_len: int | None,
+        eos_token_id: int | None,
+    ) -> None:
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        self.attn_backend = get_attn_backend(backend)
+        torch.manual_seed(config.seed)
+        self.model, self.hf_config = load_model(
+            model_dir, self.dtype, self.device, self.attn_backend
+        )
+        self.vocab_size = self.hf_config.vocab_size
+        self.max_model_len = max_model_len or min(
+            getattr(self.hf_config, "max_position_embeddings", 8192), 8192
+        )
+        self.block_size = config.block_size
+        self.max_num_reqs = config.max_num_seqs
+        self.max_num_blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.free_rows = list(range(self.max_num_reqs - 1, -1, -1))
+        self.token_ids_cpu = np.zeros((self.max_num_reqs, self.max_model_len), dtype=np.int64)
+        self.block_table_cpu = np.zeros(
+            (self.max_num_reqs, self.max_num_blocks_per_req), dtype=np.int32
+        )
+        self.sampler = Sampler()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def num_kv_blocks_for(self, memory_bytes: int) -> int:
+        return memory_bytes // self.model.get_kv_cache_spec().bytes_per_block(self.block_size)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the paged KV pool (per layer, K and V) and bind it to the model."""
+        spec = self.model.get_kv_cache_spec()
+        self.kv_caches = spec.allocate(num_blocks, self.block_size, self.device)
+        self.model.bind_kv_cache(self.kv_caches)
+        num_bytes = num_blocks * spec.bytes_per_block(self.block_size)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_size,
+            num_bytes / 2**20,
+            spec.dtype,
+        )
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply the scheduler's diffs to the runner's copy of each request."""
+        for req_id in scheduler_output.finished_req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.free_rows.append(state.row)
+        for new in scheduler_output.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            state = CachedRequestState(
+                req_id=new.req_id,
+                row=self.free_rows.pop(),
+                prompt_token_ids=new.prompt_token_ids,
+                sampling_params=params,
+                generator=generator,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+            self.requests[new.req_id] = state
+            self.token_ids_cpu[state.row, : len(new.prompt_token_ids)] = new.prompt_token_ids
+            self.block_table_cpu[state.row, : len(state.block_ids)] = state.block_ids
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            if cached.resumed_from_preemption[i]:
+                state.block_ids = list(cached.new_block_ids[i])
+            else:
+                state.block_ids.extend(cached.new_block_ids[i])
+            self.block_table_cpu[state.row, : len(state.block_ids)] = state.block_ids
+
+    def _prepare_inputs(self, scheduler_output: SchedulerOutput, req_ids: list[str]):
+        """The step's flat tensors, built with vectorised gathers on the persistent arrays."""
+        states = [self.requests[r] for r in req_ids]
+        rows = np.array([s.row for s in states], dtype=np.int64)
+        num_scheduled = np.array(
+            [scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64
+        )
+        num_computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        cu_num_tokens = np.cumsum(num_scheduled)
+        num_tokens = int(cu_num_tokens[-1])
+        token_req_idx = np.repeat(np.arange(len(req_ids)), num_scheduled)
+        offsets = np.arange(num_tokens) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
+        positions = num_computed[token_req_idx] + offsets
+        token_rows = rows[token_req_idx]
+        input_ids = self.token_ids_cpu[token_rows, positions]
+        block_numbers = self.block_table_cpu[token_rows, positions // self.block_size]
+        slot_mapping = (
+            block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
+        )
+        seq_lens = num_computed + num_scheduled
+        max_seq_len = int(seq_lens.max())
+        query_start_loc = np.concatenate([[0], cu_num_tokens]).astype(np.int32)
+        block_table = self.block_table_cpu[rows, : -(-max_seq_len // self.block_size)]
+
+        to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+        common = CommonAttentionMetadata(
+            query_start_loc=to_device(query_start_loc),
+            query_start_loc_cpu=torch.from_numpy(query_start_loc),
+            seq_lens=to_device(seq_lens.astype(np.int32)),
+            seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
+            block_table=to_device(block_table),
+            slot_mapping=to_device(slot_mapping),
+            num_reqs=len(req_ids),
+            num_actual_tokens=num_tokens,
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=max_seq_len,
+            block_size=self.block_size,
+        )
+        # A request samples when this step reaches the end of its known tokens.
+        is_sampling = seq_lens == np.array([s.num_tokens for s in states])
+        logits_indices = cu_num_tokens[is_sampling] - 1
+        return to_device(input_ids), to_device(positions), common, is_sampling, logits_indices
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: update request copies, forward the flat batch, sample."""
+        self._update_states(scheduler_output)
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        if not req_ids:
+            return ModelRunnerOutput([], [], [])
+        input_ids, positions, common, is_sampling, logits_indices = self._prepare_inputs(
+            scheduler_output, req_ids
+        )
+        attn_metadata = self.attn_backend.build(common)
+        with set_forward_context(attn_metadata):
+            hidden_states = self.model(input_ids, positions)
+        sampling_states = [self.requests[r] for r, s in zip(req_ids, is_sampling, strict=True) if s]
+        sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
+        logprobs: list[LogprobsEntry | None] = [None] * len(req_ids)
+        if sampling_states:
+            logits = self.model.compute_logits(
+                hidden_states[torch.from_numpy(logits_indices).to(self.device)]
+            )
+            metadata = SamplingMetadata.build(
+                params=[s.sampling_params for s in sampling_states],
+                prompt_token_ids=[s.prompt_token_ids for s in sampling_states],
+                output_token_ids=[s.output_token_ids for s in sampling_states],
+                generators={i: s.generator for i, s in enumerate(sampling_states) if s.generator},
+                vocab_size=self.vocab_size,
+                eos_token_ids=[self.eos_token_id] * len(sampling_states),
+                device=self.device,
+            )
+            sampler_output = self.sampler(logits, metadata)
+            tokens = sampler_output.sampled_token_ids.tolist()
+            entries = (
+                sampler_output.logprobs.to_entries(
+                    [s.sampling_params.logprobs for s in sampling_states]
+                )
+                if sampler_output.logprobs is not None
+                else [None] * len(sampling_states)
+            )
+            sample_idx = np.flatnonzero(is_sampling)
+            for j, state in enumerate(sampling_states):
+                state.output_token_ids.append(tokens[j])
+                if state.num_tokens <= self.max_model_len:
+                    self.token_ids_cpu[state.row, state.num_tokens - 1] = tokens[j]
+                sampled_token_ids[sample_idx[j]] = [tokens[j]]
+                logprobs[sample_idx[j]] = entries[j]
+        return ModelRunnerOutput(req_ids, sampled_token_ids, logprobs)

@@ -1,0 +1,1 @@
+"""Model implementations that run on a flat token batch."""

@@ -1,0 +1,310 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) running on one flat token batch.
+
+Inputs are `[T]` token ids and positions of all scheduled tokens of all requests, back to back;
+attention reads the step's metadata from the forward context and the paged KV cache bound by
+the model runner. q/k/v and gate/up are fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine.attention import AttentionBackend, KVCacheSpec, get_forward_context
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalize `x`; with `residual`, first add it and also return the sum (next residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        # fp32 statistics as HF does, so bf16 runs round the same way.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * x32.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding; `inv_freq` comes from HF so every rope type HF knows matches."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        rope_type = config.rope_parameters.get("rope_type", "default")
+        if rope_type == "default":
+            head_dim = _head_dim(config)
+            theta = config.rope_parameters["rope_theta"]
+            inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+            attention_scaling = 1.0
+        else:
+            inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device="cpu")
+        self.attention_scaling = attention_scaling
+        # Kept fp32 whatever the model dtype: positions times frequencies need the precision.
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[T, head_dim]` for `positions [T]`, computed once per step for all layers."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[T, heads, head_dim]`, cos/sin `[T, head_dim]`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: PretrainedConfig, attn_backend: AttentionBackend, arch: ArchTraits
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = _head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=arch.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.attn_backend = attn_backend
+        # Bound by the model runner (bind_kv_cache); not parameters or buffers.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        q, k, v = self.qkv_proj(hidden_states).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn_backend.forward(
+            q, k, v, self.k_cache, self.v_cache, get_forward_context().attn_metadata, self.scale
+        )
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: PretrainedConfig, attn_backend: AttentionBackend, arch: ArchTraits
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, attn_backend, arch)
+        self.mlp = LlamaMLP(config, bias=arch.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, cos, sin)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, config: PretrainedConfig, attn_backend: AttentionBackend, arch: ArchTraits
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attn_backend, arch) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(hidden_states, residual, cos, sin)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class ArchTraits:
+    """What distinguishes the supported architectures inside the shared Llama skeleton."""
+
+    def __init__(self, config: PretrainedConfig, architecture: str) -> None:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_bias = {"Qwen2ForCausalLM": True, "MistralForCausalLM": False}.get(
+            architecture, attention_bias
+        )
+        self.o_bias = attention_bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+        self.mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.qk_norm = architecture == "Qwen3ForCausalLM"
+
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+# HF projection name -> (fused parameter, shard) inside the same module.
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+_SHARDS_OF = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: PretrainedConfig, attn_backend: AttentionBackend) -> None:
+        super().__init__()
+        architecture = (config.architectures or ["LlamaForCausalLM"])[0]
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {architecture!r}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu'")
+        self.config = config
+        self.model = LlamaModel(config, attn_backend, ArchTraits(config, architecture))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(config.tie_word_embeddings)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`input_ids`, `positions` `[T]` -> final hidden states `[T, hidden]`.
+
+        Run inside `set_forward_context(...)`; writes this step's k/v into the bound caches.
+        """
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`[N, hidden]` (the rows to sample from) -> `[N, vocab]` float32 logits."""
+        return self.lm_head(hidden_states).float()
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        attn = self.model.layers[0].self_attn
+        return KVCacheSpec(
+            num_layers=len(self.model.layers),
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            dtype=self.model.embed_tokens.weight.dtype,
+        )
+
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Point each layer at its `(k_cache, v_cache)`, allocated by the model runner.
+
+        Each is `[num_blocks, block_size, num_kv_heads, head_dim]` and must start zeroed
+        (see `KVCacheSpec.allocate`).
+        """
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"need {len(self.model.layers)} layer caches, got {len(kv_caches)}")
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+            attn = layer.self_attn
+            if k_cache.shape[2:] != (attn.num_kv_heads, attn.head_dim):
+                raise ValueError(f"kv cache shape {tuple(k_cache.shape)} does not fit the model")
+            attn.k_cache, attn.v_cache = k_cache, v_cache
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the (fused) parameters; raise if any is missing."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, str | None]] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (
+                self.tie_word_embeddings and name == "lm_head.weight"
+            ):
+                continue
+            param_name, shard = _fused_name(name)
+            if param_name not in params:
+                raise ValueError(f"unexpected weight {name!r} for {type(self).__name__}")
+            target = self._shard(params[param_name], shard)
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add((param_name, shard))
+        required = {
+            (name, shard)
+            for name in params
+            for shard in _SHARDS_OF.get(name.split(".")[-2], (None,))
+        }
+        missing = sorted(f"{name}[{shard}]" if shard else name for name, shard in required - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {missing[:8]}")
+
+    def _shard(self, param: torch.Tensor, shard: str | None) -> torch.Tensor:
+        """The slice of a (fused) parameter that one checkpoint tensor fills."""
+        if shard is None:
+            return param.data
+        if shard in _SHARDS_OF["gate_up_proj"]:
+            return param.data.chunk(2, dim=0)[_SHARDS_OF["gate_up_proj"].index(shard)]
+        attn = self.model.layers[0].self_attn
+        start = {"q": 0, "k": attn.q_size, "v": attn.q_size + attn.kv_size}[shard]
+        size = attn.q_size if shard == "q" else attn.kv_size
+        return param.data.narrow(0, start, size)
+
+
+def _fused_name(name: str) -> tuple[str, str | None]:
+    for hf_proj, (fused_proj, shard) in _FUSED_SHARDS.items():
+        if f".{hf_proj}." in name:
+            return name.replace(f".{hf_proj}.", f".{fused_proj}."), shard
+    return name, None
+
+
+def _head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -1,0 +1,109 @@
+"""Contracts between the engine's parts: plain data, no behaviour.
+
+scheduler --SchedulerOutput--> model runner --ModelRunnerOutput--> scheduler
+scheduler --EngineCoreOutput--> output processor --RequestOutput--> user
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the model runner has not seen: sent in full once."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the whole block table so far
+    num_computed_tokens: int  # prefix-cache hit
+
+
+@dataclass
+class CachedRequestData:
+    """Per-step diffs for requests the runner already holds (parallel lists, one row a request)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)  # appended; whole table if resumed
+    num_computed_tokens: list[int] = field(default_factory=list)  # before this step's tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # finished since the last step: the runner drops their state
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class LogprobsEntry:
+    """Logprobs at one sampled position: column 0 is the sampled token, then the top-N."""
+
+    token_ids: list[int]  # [1 + N]
+    logprobs: list[float]  # [1 + N]
+    sampled_token_rank: int  # 1-based rank of the sampled token
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]  # [num_reqs] in the order of the step's batch
+    sampled_token_ids: list[list[int]]  # [num_reqs][0 or 1]: empty while a prefill is partial
+    logprobs: list[LogprobsEntry | None]  # [num_reqs]
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request, in tokens."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobsEntry] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's `n` completions, as vLLM returns it."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # one dict per token, when asked
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's outputs: cumulative from `LLM.generate`, deltas from `LLMEngine.step`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

@@ -1,0 +1,296 @@
+"""The vLLM-v1 scheduler: one token budget per step, running requests first, then waiting ones.
+
+There are no prefill and decode phases: each request has `num_computed_tokens` and
+`num_tokens`, and a step gives each request some of the tokens it lacks. That one rule gives
+continuous batching, chunked prefill mixed with decodes, and recompute after preemption.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.kv_cache import KVCacheManager
+from engine.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float  # fraction of blocks in use
+    num_blocks_in_use: int
+    num_tokens_stored: int  # tokens whose KV sits in running requests' blocks
+    num_preemptions: int  # since start
+    prefix_cache_queries: int  # tokens looked up, since start
+    prefix_cache_hits: int  # tokens found, since start
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        if scheduler_config.max_model_len > cache_config.num_blocks * cache_config.block_size:
+            # Otherwise a lone request could need more blocks than exist and preempt itself forever.
+            raise ValueError(
+                f"max_model_len {scheduler_config.max_model_len} exceeds the KV pool "
+                f"({cache_config.num_blocks} blocks of {cache_config.block_size} tokens); "
+                "lower max_model_len or give the cache more memory"
+            )
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}  # live (unfinished) requests
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.finished_req_ids: set[str] = set()  # since the last schedule()
+        self.is_paused = False
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. The caller validated it; ids must be unique among live requests."""
+        if request.num_prompt_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens, more than max_model_len "
+                f"{self.config.max_model_len}"
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        if len(self.waiting) >= self.config.max_waiting_requests:
+            raise OverflowError(
+                f"waiting queue is full ({self.config.max_waiting_requests} requests)"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def pause(self) -> None:
+        """Spend no tokens until `resume()`; requests keep their state and blocks."""
+        self.is_paused = True
+
+    def resume(self) -> None:
+        self.is_paused = False
+
+    def schedule(self) -> SchedulerOutput:
+        """Spend this step's `token_budget`; see the module docstring. Mutates request state."""
+        token_budget = 0 if self.is_paused else self.config.max_num_batched_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        preempted: list[Request] = []
+        new_reqs: list[Request] = []
+        resumed_reqs: list[Request] = []
+        new_block_ids: dict[str, list[int]] = {}
+
+        # Running requests first: each gets the tokens it lacks, chunked by the budget.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = self._clip(
+                request.num_tokens - request.num_computed_tokens, token_budget
+            )
+            if num_new_tokens == 0:
+                req_index += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # Then waiting ones, in order, while there is budget, room in the batch and KV room.
+        while self.waiting and token_budget > 0 and not preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            computed_blocks, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = self._clip(
+                request.num_tokens - request.num_computed_tokens - num_hit_tokens, token_budget
+            )
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, computed_blocks
+            )
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens += num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            if request.status == RequestStatus.PREEMPTED:
+                resumed_reqs.append(request)
+            else:
+                new_reqs.append(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+
+        output = self._make_output(num_scheduled_tokens, new_reqs, resumed_reqs, new_block_ids)
+        output.preempted_req_ids = {r.request_id for r in preempted}
+        # Counters advance now: the next schedule() sees this step's tokens as computed.
+        for req_id, num_tokens in num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        self.finished_req_ids = set()
+        return output
+
+    def _clip(self, num_new_tokens: int, token_budget: int) -> int:
+        """Chunk a request's missing tokens by the long-prefill threshold and the budget."""
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        return min(num_new_tokens, token_budget)
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the KV, back to the head of the waiting queue."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _make_output(
+        self,
+        num_scheduled_tokens: dict[str, int],
+        new_reqs: list[Request],
+        resumed_reqs: list[Request],
+        new_block_ids: dict[str, list[int]],
+    ) -> SchedulerOutput:
+        get_block_ids = self.kv_cache_manager.get_block_ids
+        scheduled_new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                sampling_params=r.sampling_params,
+                block_ids=get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in new_reqs
+        ]
+        cached = CachedRequestData()
+        cached_reqs = [r for r in self.running if r.request_id in new_block_ids] + resumed_reqs
+        for r in cached_reqs:
+            is_resumed = r.request_id not in new_block_ids
+            cached.req_ids.append(r.request_id)
+            cached.resumed_from_preemption.append(is_resumed)
+            cached.new_block_ids.append(
+                get_block_ids(r.request_id) if is_resumed else new_block_ids[r.request_id]
+            )
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+        return SchedulerOutput(
+            scheduled_new_reqs=scheduled_new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            finished_req_ids=self.finished_req_ids,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply token-level stops, free finished requests."""
+        outputs = []
+        for i, req_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(req_id)
+            new_token_ids = runner_output.sampled_token_ids[i]
+            if request is None or not new_token_ids:
+                continue  # aborted during the step, or a prefill chunk that samples nothing
+            request.append_output_token_ids(new_token_ids)
+            self._check_stop(request)
+            logprobs = runner_output.logprobs[i]
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_token_ids,
+                    new_logprobs=[logprobs] if logprobs is not None else [],
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+            if request.is_finished():
+                self._free_request(request)
+        return outputs
+
+    def _check_stop(self, request: Request) -> None:
+        params = request.sampling_params
+        last_token_id = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if last_token_id == request.eos_token_id and not params.ignore_eos:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return
+            if last_token_id in params.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last_token_id
+                return
+        max_tokens = params.max_tokens
+        if (max_tokens is not None and request.num_output_tokens >= max_tokens) or (
+            request.num_tokens >= self.config.max_model_len
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+
+    def finish_requests(
+        self,
+        request_ids: Iterable[str],
+        finished_status: RequestStatus,
+        stop_reason: int | str | None = None,
+    ) -> list[str]:
+        """Finish live requests from outside a step (abort, stop string). Returns those found."""
+        found = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            request.stop_reason = stop_reason
+            self._free_request(request)
+            found.append(req_id)
+        return found
+
+    def _free_request(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.block_pool.get_usage(),
+            num_blocks_in_use=kv.get_num_blocks_in_use(),
+            num_tokens_stored=sum(r.num_computed_tokens for r in self.running),
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+        )

@@ -1,0 +1,1 @@
+"""kvrail wire schema and Redis Streams layer."""

@@ -1,0 +1,1 @@
+"""kvrail service: Redis Streams workers and the OpenAI-compatible API."""

@@ -1,0 +1,170 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import (
+    CommonAttentionMetadata,
+    KVCacheSpec,
+    get_attn_backend,
+    get_forward_context,
+    set_forward_context,
+)
+
+HEAD_DIM = 16
+
+
+def reference_attention(q, k_full, v_full, num_computed, scale):
+    """Per-sequence causal attention; q [Q, H, D], k_full/v_full [seq_len, Hkv, D]."""
+    num_heads, num_kv_heads = q.shape[1], k_full.shape[1]
+    k = k_full.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    v = v_full.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    query_pos = num_computed + torch.arange(q.shape[0])
+    causal = torch.arange(k.shape[0])[None, :] <= query_pos[:, None]
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def make_step(reqs, num_heads, num_kv_heads, block_size, num_pad_tokens=0, seed=0):
+    """Random caches plus one step's inputs for `reqs` = [(num_computed, query_len)].
+
+    Cached tokens are written into randomly chosen blocks; every other slot holds finite
+    garbage so that a masking bug changes the result.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(c + q) // block_size) for c, q in reqs) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, HEAD_DIM, generator=gen)
+    free_blocks = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(-(-(c + q) // block_size) for c, q in reqs) + 1
+    block_table = torch.full((len(reqs), max_blocks), -1, dtype=torch.int32)
+    qs, ks, vs, slots, contexts = [], [], [], [], []
+    for r, (num_computed, query_len) in enumerate(reqs):
+        seq_len = num_computed + query_len
+        blocks = [free_blocks.pop() for _ in range(-(-seq_len // block_size))]
+        block_table[r, : len(blocks)] = torch.tensor(blocks)
+        req_slots = torch.tensor(
+            [blocks[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+        )
+        k_full = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen)
+        v_full = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen)
+        k_cache.view(-1, num_kv_heads, HEAD_DIM)[req_slots[:num_computed]] = k_full[:num_computed]
+        v_cache.view(-1, num_kv_heads, HEAD_DIM)[req_slots[:num_computed]] = v_full[:num_computed]
+        qs.append(torch.randn(query_len, num_heads, HEAD_DIM, generator=gen))
+        ks.append(k_full[num_computed:])
+        vs.append(v_full[num_computed:])
+        slots.append(req_slots[num_computed:])
+        contexts.append((k_full, v_full, num_computed))
+    pad = [
+        torch.randn(num_pad_tokens, h, HEAD_DIM, generator=gen)
+        for h in (num_heads, num_kv_heads, num_kv_heads)
+    ]
+    q, k, v = (torch.cat([*xs, p]) for xs, p in zip((qs, ks, vs), pad, strict=True))
+    query_lens = torch.tensor([ql for _, ql in reqs], dtype=torch.int32)
+    seq_lens = torch.tensor([c + ql for c, ql in reqs], dtype=torch.int32)
+    query_start_loc = torch.zeros(len(reqs) + 1, dtype=torch.int32)
+    query_start_loc[1:] = query_lens.cumsum(0)
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start_loc,
+        query_start_loc_cpu=query_start_loc.clone(),
+        seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens.clone(),
+        block_table=block_table,
+        slot_mapping=torch.cat(slots).long(),
+        num_reqs=len(reqs),
+        num_actual_tokens=int(query_lens.sum()),
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        block_size=block_size,
+    )
+    return q, k, v, k_cache, v_cache, common, qs, contexts
+
+
+# (num_computed_tokens, query_len): decodes mid-block and at block edges, a fresh prefill,
+# chunked prefills over cached context ending mid-block, a one-token prompt.
+MIXED_BATCH = [(20, 1), (0, 13), (15, 1), (16, 1), (24, 9), (0, 1), (7, 30), (40, 1), (0, 2)]
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2)])
+def test_torch_backend_matches_reference(block_size, num_heads, num_kv_heads):
+    q, k, v, k_cache, v_cache, common, qs, contexts = make_step(
+        MIXED_BATCH, num_heads, num_kv_heads, block_size, num_pad_tokens=3
+    )
+    backend = get_attn_backend("torch")
+    scale = HEAD_DIM**-0.5
+    out = backend.forward(q, k, v, k_cache, v_cache, backend.build(common), scale)
+
+    assert out.shape == q.shape
+    expected = torch.cat(
+        [
+            reference_attention(q_r, k_full, v_full, num_computed, scale)
+            for q_r, (k_full, v_full, num_computed) in zip(qs, contexts, strict=True)
+        ]
+    )
+    torch.testing.assert_close(out[: common.num_actual_tokens], expected, atol=1e-5, rtol=1e-5)
+    assert not out[common.num_actual_tokens :].any(), "padding rows must stay zero"
+    flat_k = k_cache.view(-1, num_kv_heads, HEAD_DIM)
+    torch.testing.assert_close(flat_k[common.slot_mapping], k[: common.num_actual_tokens])
+
+
+def test_block_written_in_step_is_read_by_other_request():
+    # Request 1 shares request 0's first block (a same-step prefix-cache hit): its cached
+    # context only exists once request 0's new tokens are written in this very step.
+    block_size, num_heads, num_kv_heads = 8, 4, 2
+    q, k, v, k_cache, v_cache, common, qs, contexts = make_step(
+        [(0, 12), (8, 3)], num_heads, num_kv_heads, block_size
+    )
+    shared = int(common.block_table[0, 0])
+    old = int(common.block_table[1, 0])
+    common.block_table[1, 0] = shared
+    k_full_1, v_full_1, _ = contexts[1]
+    k_full_1[:8], v_full_1[:8] = contexts[0][0][:8], contexts[0][1][:8]
+    k_cache[old] = float("nan")  # no longer referenced: must not be read
+    backend = get_attn_backend("torch")
+    out = backend.forward(q, k, v, k_cache, v_cache, backend.build(common), 0.25)
+    expected = reference_attention(qs[1], k_full_1, v_full_1, 8, 0.25)
+    torch.testing.assert_close(out[12:15], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_only_prefill_or_only_decode_batches():
+    backend = get_attn_backend("torch")
+    for reqs in ([(5, 1), (31, 1)], [(0, 4), (9, 6)]):
+        q, k, v, k_cache, v_cache, common, qs, contexts = make_step(reqs, 4, 2, 16, seed=1)
+        metadata = backend.build(common)
+        assert len(metadata.groups) == 1
+        out = backend.forward(q, k, v, k_cache, v_cache, metadata, 0.25)
+        expected = torch.cat(
+            [
+                reference_attention(q_r, kf, vf, c, 0.25)
+                for q_r, (kf, vf, c) in zip(qs, contexts, strict=True)
+            ]
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_spec_sizes_and_zero_allocation():
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+    assert spec.kv_cache_shape(10, 16) == (10, 16, 2, 16)
+    assert spec.bytes_per_block(16) == 2 * 3 * 16 * 2 * 16 * 2
+    caches = spec.allocate(10, 16, "cpu")
+    assert len(caches) == 3
+    assert all(
+        c.shape == (10, 16, 2, 16) and c.dtype == torch.bfloat16 and not c.any()
+        for pair in caches
+        for c in pair
+    )
+
+
+def test_unknown_backend_and_forward_context():
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_attn_backend("flash")
+    with pytest.raises(RuntimeError):
+        get_forward_context()
+    with set_forward_context("outer"):
+        with set_forward_context("inner"):
+            assert get_forward_context().attn_metadata == "inner"
+        assert get_forward_context().attn_metadata == "outer"
+    with pytest.raises(RuntimeError):
+        get_forward_context()

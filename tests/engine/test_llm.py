@@ -1,0 +1,358 @@
+"""End-to-end: `LLM.generate` against HF transformers, seeded sampling, stops, KV accounting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine import LLM, SamplingParams
+from tests.engine.tiny_models import make_tiny_model, smollm2_dir
+
+NUM_NEW_TOKENS = 32
+TOP_LOGPROBS = 5
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France, and Berlin is",
+    "In 1969, Apollo 11 landed on the Moon. The astronauts",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Once upon a time",
+    "Water boils at 100 degrees Celsius at sea level because",
+    "The mitochondria is the powerhouse of the cell. It produces energy in the form of ATP "
+    "through a process called oxidative phosphorylation, which takes place across the inner "
+    "membrane and depends on a gradient of protons built by the electron transport chain.",
+    "List three primary colors:",
+    "Machine learning models are trained on data. Overfitting happens when a model learns the "
+    "noise in its training set instead of the signal, so it performs well on the data it saw "
+    "and poorly on new data. Regularization, dropout and early stopping are common remedies, "
+    "and cross-validation helps to detect the problem early.",
+    "Hello",
+    "The French Revolution began in 1789 and",
+    "To make a cup of tea, first",
+    "SELECT name, age FROM users WHERE",
+    "Photosynthesis converts light energy into chemical energy. Plants absorb carbon dioxide "
+    "and water, and with sunlight they make glucose and oxygen. Chlorophyll, the green pigment "
+    "in leaves, captures the light. The process has two stages: the light-dependent reactions "
+    "and the Calvin cycle, which fixes carbon into sugars that feed the plant.",
+    "The capital of Japan is",
+    "A haiku about autumn:",
+]
+# Half the prompts share a long system-like prefix, so prefix caching has something to hit.
+PREFIX = (
+    "You are a helpful assistant. You answer briefly and precisely, you never invent facts, "
+    "and when you do not know something you say so. Keep every answer short, plain and "
+    "friendly. Question: "
+)
+PROMPTS = [PREFIX + t if i % 2 else t for i, t in enumerate(TEXTS)]
+
+
+@dataclass
+class Reference:
+    token_ids: list[list[int]]
+    top_ids: list[list[set[int]]]  # per prompt, per position: HF's top-5 token ids
+
+
+def hf_greedy(model_dir, prompt_token_ids: list[list[int]]) -> Reference:
+    """HF `generate`, fp32, greedy, each prompt alone, EOS ignored."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    token_ids, top_ids = [], []
+    for ids in prompt_token_ids:
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=NUM_NEW_TOKENS,
+            min_new_tokens=NUM_NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+        token_ids.append(out.sequences[0, len(ids) :].tolist())
+        top_ids.append([set(step[0].topk(TOP_LOGPROBS).indices.tolist()) for step in out.logits])
+    return Reference(token_ids, top_ids)
+
+
+def assert_close_to_reference(outputs, ref: Reference) -> None:
+    """vLLM's check_logprobs_close: identical, or at the first divergence each side's token is
+    in the other's top-5; and at least 90% of sequences identical."""
+    num_identical = 0
+    for i, output in enumerate(outputs):
+        ours = output.outputs[0].token_ids
+        assert len(ours) == NUM_NEW_TOKENS
+        if ours == ref.token_ids[i]:
+            num_identical += 1
+            continue
+        pos = next(j for j, (a, b) in enumerate(zip(ours, ref.token_ids[i], strict=True)) if a != b)
+
+        our_top = set(output.outputs[0].logprobs[pos])
+        assert ref.token_ids[i][pos] in our_top, f"prompt {i} pos {pos}: HF token not in our top-5"
+        assert ours[pos] in ref.top_ids[i][pos], f"prompt {i} pos {pos}: our token not in HF top-5"
+    assert num_identical >= 0.9 * len(outputs), f"only {num_identical}/{len(outputs)} identical"
+
+
+def assert_pool_free(llm: LLM) -> None:
+    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    assert kv.get_num_blocks_in_use() == 0
+    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+
+
+GREEDY = SamplingParams(
+    temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS
+)
+
+# (name, engine kwargs, expect preemptions)
+CONFIGS = [
+    ("default", dict(), False),
+    (
+        "no-prefix-cache-chunked",
+        dict(enable_prefix_caching=False, max_num_batched_tokens=64),
+        False,
+    ),
+    (
+        "prefix-cache-chunked-preempt",
+        dict(max_num_batched_tokens=64, num_kv_blocks=24, max_model_len=256),
+        True,
+    ),
+    (
+        "no-prefix-cache-preempt",
+        dict(enable_prefix_caching=False, num_kv_blocks=20, max_model_len=256),
+        True,
+    ),
+]
+
+TINY_MODELS = {
+    "llama-tied": ("llama", dict()),
+    "llama3-rope-untied": (
+        "llama",
+        dict(
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
+    "qwen2-untied": ("qwen2", dict(tie_word_embeddings=False)),
+    "qwen3": ("qwen3", dict()),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(smollm2_dir())
+
+
+@pytest.fixture(scope="module")
+def prompt_token_ids(tokenizer):
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    assert sum(len(x) > 48 for x in ids) >= 3  # some prompts span more than 3 blocks
+    return ids
+
+
+@pytest.fixture(scope="module", params=list(TINY_MODELS))
+def tiny_model(request, tmp_path_factory, prompt_token_ids):
+    arch, overrides = TINY_MODELS[request.param]
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), arch, **overrides)
+    return path, hf_greedy(path, prompt_token_ids)
+
+
+@pytest.mark.parametrize("name,kwargs,expect_preemption", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_tiny_models_match_hf(tiny_model, prompt_token_ids, name, kwargs, expect_preemption):
+    path, ref = tiny_model
+    llm = LLM(str(path), **kwargs)
+    outputs = llm.generate(prompt_token_ids, GREEDY)
+    assert_close_to_reference(outputs, ref)
+    stats = llm.llm_engine.get_stats()
+    assert (stats.num_preemptions > 0) == expect_preemption
+    assert_pool_free(llm)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(prompt_token_ids):
+    return hf_greedy(smollm2_dir(), prompt_token_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name,kwargs,expect_preemption", CONFIGS[1:3], ids=[c[0] for c in CONFIGS[1:3]]
+)
+def test_smollm2_matches_hf(smollm2_reference, prompt_token_ids, name, kwargs, expect_preemption):
+    llm = LLM(None, **kwargs)
+    outputs = llm.generate(prompt_token_ids, GREEDY)
+    assert_close_to_reference(outputs, smollm2_reference)
+    assert (llm.llm_engine.get_stats().num_preemptions > 0) == expect_preemption
+    assert_pool_free(llm)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return LLM()
+
+
+def test_france_question(smollm2):
+    (output,) = smollm2.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=16),
+    )
+    assert "Paris" in output.outputs[0].text
+    assert output.outputs[0].finish_reason in ("stop", "length")
+    assert_pool_free(smollm2)
+
+
+def test_prefix_cache_hit_is_reported(smollm2):
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    long_prompt = PROMPTS[13]
+    (first,) = smollm2.generate(long_prompt, params)
+    (second,) = smollm2.generate(long_prompt, params)
+    assert second.num_cached_tokens >= 16 * (len(second.prompt_token_ids) // 16 - 1)
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_pool_free(smollm2)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+    return LLM(str(path), max_num_batched_tokens=96)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(tiny_llm):
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    (alone,) = tiny_llm.generate(PROMPTS[2], seeded)
+    others = [
+        SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=99, top_k=20, max_tokens=16, ignore_eos=True),
+    ] * 3
+    batch_prompts = [*PROMPTS[3:7], PROMPTS[2], *PROMPTS[7:11]]
+    batch_params = [*others[:4], seeded, *others[4:8]]
+    outputs = tiny_llm.generate(batch_prompts, batch_params)
+    assert outputs[4].outputs[0].token_ids == alone.outputs[0].token_ids
+    # And a different seed gives something else (the seed is really used).
+    other_seed = SamplingParams(
+        temperature=0.8, top_p=0.95, seed=4321, max_tokens=24, ignore_eos=True
+    )
+    (different,) = tiny_llm.generate(PROMPTS[2], other_seed)
+    assert different.outputs[0].token_ids != alone.outputs[0].token_ids
+    assert_pool_free(tiny_llm)
+
+
+def test_parallel_sampling_shares_the_prompt(tiny_llm):
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    (output,) = tiny_llm.generate(PROMPTS[8], params)
+    assert [c.index for c in output.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in output.outputs}) > 1
+    # Children after the first reuse the prompt's full blocks.
+    assert output.num_cached_tokens >= 16 * ((len(output.prompt_token_ids) - 1) // 16)
+    assert_pool_free(tiny_llm)
+
+
+def test_stop_strings_are_cut_exactly(smollm2):
+    base = SamplingParams(temperature=0.0, max_tokens=24)
+    prompt = [{"role": "user", "content": "What is the capital of France?"}]
+    (full,) = smollm2.chat(prompt, base)
+    text = full.outputs[0].text
+    assert "Paris" in text
+    # A stop string that spans token boundaries: the tail of one word and the head of the next.
+    start = text.index("Paris") - 3
+    stop = text[start : start + 6]
+    for include in (False, True):
+        params = SamplingParams(
+            temperature=0.0, max_tokens=24, stop=[stop], include_stop_str_in_output=include
+        )
+        engine = smollm2.llm_engine
+        engine.add_request(
+            "stop-test",
+            engine.tokenize_prompt(
+                smollm2.get_tokenizer().apply_chat_template(
+                    prompt, tokenize=False, add_generation_prompt=True
+                )
+            )[1],
+            params,
+        )
+        streamed = ""
+        final = None
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                streamed += delta.outputs[0].text
+                final = delta
+        expected = text[: start + 6] if include else text[:start]
+        assert streamed == expected
+        assert final.outputs[0].finish_reason == "stop"
+        assert final.outputs[0].stop_reason == stop
+    assert_pool_free(smollm2)
+
+
+def test_kv_accounting_every_step(tiny_llm):
+    engine = tiny_llm.llm_engine
+    bs = engine.config.block_size
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS[:8]):
+        engine.add_request(f"kv-{i}", prompt, params)
+    num_steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        num_steps += 1
+        scheduler = engine.engine_core.scheduler
+        stats = engine.get_stats()
+        for request in scheduler.running:
+            slots = len(scheduler.kv_cache_manager.get_block_ids(request.request_id)) * bs
+            assert 0 <= slots - request.num_computed_tokens < bs
+        assert stats.num_tokens_stored == sum(r.num_computed_tokens for r in scheduler.running)
+        # Engine-wide: slots allocated minus tokens stored stays under a block per request.
+        waste = stats.num_blocks_in_use * bs - stats.num_tokens_stored
+        assert waste < bs * stats.num_running_reqs or stats.num_blocks_in_use == 0
+    assert num_steps >= 20
+    assert_pool_free(tiny_llm)
+
+
+def test_abort_frees_blocks(tiny_llm):
+    engine = tiny_llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    engine.add_request("abort-me", PROMPTS[6], params)
+    engine.step()
+    assert engine.get_stats().num_blocks_in_use > 0
+    engine.abort_request("abort-me")
+    assert engine.get_stats().num_blocks_in_use == 0
+    assert not engine.has_unfinished_requests()
+    engine.step()  # the runner drops the aborted request's state
+    assert not engine.engine_core.model_runner.requests
+    assert_pool_free(tiny_llm)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(n=0), "n"),
+        (dict(max_tokens=0), "max_tokens"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_are_rejected(tiny_llm):
+    engine = tiny_llm.llm_engine
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("e", [], SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("long", [5] * (engine.max_model_len + 1), SamplingParams())
+    engine.add_request("dup", "hello", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request("dup", "hello", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("vocab", [10**9], SamplingParams())
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_pool_free(tiny_llm)

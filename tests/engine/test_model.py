@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from engine.attention import get_attn_backend
+from engine.loader import load_model
+from tests.engine.tiny_models import make_tiny_model, run_model_steps
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+CASES = {
+    "llama": ("llama", {}),
+    "llama3-rope-untied": ("llama", {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": False}),
+    "qwen2-untied": ("qwen2", {"tie_word_embeddings": False}),
+    "qwen3": ("qwen3", {}),
+    "qwen3-bias": ("qwen3", {"attention_bias": True}),
+    "mistral": ("mistral", {"num_key_value_heads": 1}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_hf(tmp_path, case):
+    arch, overrides = CASES[case]
+    model_dir = make_tiny_model(tmp_path / case, arch, **overrides)
+    model, config = load_model(
+        model_dir, torch.float32, torch.device("cpu"), get_attn_backend("torch")
+    )
+    gen = torch.Generator().manual_seed(1)
+    token_ids = [
+        torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (25, 11)
+    ]
+    # Request 0: a 21-token prompt in three chunks (chunked prefill over cached context,
+    # chunks ending mid-block), then decodes; request 1 prefills, then decodes alongside.
+    schedule = [[8, 0], [5, 7], [8, 1], [1, 1], [1, 1], [1, 1], [1, 0]]
+    engine_logits = run_model_steps(model, token_ids, schedule)
+
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for ids, logits in zip(token_ids, engine_logits, strict=True):
+        with torch.inference_mode():
+            expected = hf_model(torch.tensor([ids])).logits[0]
+        assert logits.dtype == torch.float32 and logits.shape == expected.shape
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+        assert logits.std() > 1.0, "tiny models must have peaky logits"
+
+
+def test_fused_weights_and_tying(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "qwen2", "qwen2")
+    model, _ = load_model(model_dir, torch.float32, torch.device("cpu"), get_attn_backend("torch"))
+    weights = load_file(model_dir / "model.safetensors")
+    attn = model.model.layers[1].self_attn
+    torch.testing.assert_close(
+        attn.qkv_proj.bias[attn.q_size :][: attn.kv_size],
+        weights["model.layers.1.self_attn.k_proj.bias"],
+        rtol=0,
+        atol=0,
+    )
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert "lm_head.weight" not in weights
+
+
+def test_load_weights_rejects_missing_and_unexpected(tmp_path):
+    model_dir = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=2)
+    model, _ = load_model(model_dir, torch.float32, torch.device("cpu"), get_attn_backend("torch"))
+    weights = load_file(model_dir / "model.safetensors")
+    partial = {k: v for k, v in weights.items() if "layers.1.mlp.up_proj" not in k}
+    with pytest.raises(ValueError, match=r"missing.*layers\.1\.mlp\.gate_up_proj\.weight\[up\]"):
+        model.load_weights(partial.items())
+    with pytest.raises(ValueError, match="unexpected weight"):
+        model.load_weights(
+            [*weights.items(), ("model.layers.0.self_attn.x_proj.weight", torch.zeros(1))]
+        )
+    with pytest.raises(ValueError, match="shape"):
+        model.load_weights([("model.norm.weight", torch.zeros(3))])
