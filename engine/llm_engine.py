@@ -41,6 +41,7 @@ class ChildState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    resumed_token_ids: list[int] = field(default_factory=list)  # emitted before a resume
 
 
 @dataclass
@@ -104,54 +105,65 @@ class LLMEngine:
         request_id: str,
         prompt: PromptType,
         params: SamplingParams,
-        output_token_ids: Sequence[int] = (),
+        resume: Sequence[Sequence[int] | None] | None = None,
     ) -> None:
         """Validate and queue a request; with `n > 1`, its children share the prompt's KV.
 
-        `output_token_ids` resumes a request whose earlier tokens were already delivered
-        elsewhere (n == 1 only): they are recomputed, not sampled or emitted again.
+        `resume` continues a request whose earlier output was delivered elsewhere (a worker
+        died): per choice index, the tokens already emitted (recomputed, never emitted
+        again), or None for a choice that already finished.
         """
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already running")
         prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
-        if len(prompt_token_ids) + len(output_token_ids) > self.max_model_len:
+        if len(prompt_token_ids) > self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt_token_ids)} tokens, more than max_model_len "
                 f"{self.max_model_len}"
             )
-        if output_token_ids and params.n != 1:
-            raise ValueError("resuming a request needs n == 1")
+        if resume is not None and len(resume) != params.n:
+            raise ValueError(f"resume needs one entry per choice ({params.n})")
         children = {}
         for index in range(params.n):
+            emitted = [] if resume is None else resume[index]
+            if emitted is None:
+                continue
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             child_params = copy.copy(params)
             child_params.n = 1
             if params.seed is not None:
                 child_params.seed = params.seed + index
-            if output_token_ids and child_params.max_tokens is not None:
-                child_params.max_tokens -= len(output_token_ids)
+            if emitted and child_params.max_tokens is not None:
+                child_params.max_tokens = max(1, child_params.max_tokens - len(emitted))
             children[child_id] = ChildState(
                 index=index,
                 detokenizer=IncrementalDetokenizer(
-                    self.tokenizer, prompt_token_ids, child_params, list(output_token_ids)
+                    self.tokenizer, prompt_token_ids, child_params, list(emitted)
                 ),
                 params=child_params,
+                resumed_token_ids=list(emitted),
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
             )
-        requests = [
-            Request(
-                child_id,
-                prompt_token_ids + list(output_token_ids),
-                child.params,
-                self.tokenizer.eos_token_id,
-            )
-            for child_id, child in children.items()
-        ]
-        for request in requests:
-            self.engine_core.add_request(request)
+        if not children:
+            raise ValueError("every choice of the resumed request has finished")
+        added = []
+        try:
+            for child_id, child in children.items():
+                self.engine_core.add_request(
+                    Request(
+                        child_id,
+                        prompt_token_ids + child.resumed_token_ids,
+                        child.params,
+                        self.tokenizer.eos_token_id,
+                    )
+                )
+                added.append(child_id)
+        except Exception:
+            self.engine_core.abort_requests(added)
+            raise
         self.parents[request_id] = ParentState(request_id, prompt_text, prompt_token_ids, children)
         for child_id in children:
             self.child_to_parent[child_id] = request_id

@@ -1,0 +1,262 @@
+"""The wire schema: every message kvrail puts on Redis, msgpack-encoded, versioned, never pickled.
+
+Keys (see `keys` below):
+    kvrail:requests            stream of GenerateRequest entries, consumer group "engines"
+    kvrail:resp:{request_id}   stream of TokenChunk entries for one request (TTL, MAXLEN)
+    kvrail:control             stream of Abort entries, read by every worker
+    kvrail:dead                dead-letter stream: entries that could not be decoded or served
+    kvrail:req:{request_id}    hash: which request-stream entry owns the id, and its state
+    kvrail:worker:{name}       heartbeat of one worker (msgpack WorkerInfo, short TTL)
+
+Each stream entry has one field, `data`, holding the msgpack map. Decoding is strict: an
+unknown version, a missing or mistyped field, an unknown field or an oversize value raises
+`SchemaError` with the reason, which the worker puts on the dead-letter stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 4 << 20  # a whole encoded message
+MAX_PROMPT_CHARS = 1 << 20
+MAX_PROMPT_TOKENS = 1 << 17
+MAX_MESSAGES = 1024
+MAX_ID_LEN = 128
+NAMESPACE = "kvrail:"
+
+
+class keys:  # a namespace of key builders, lower-case like a module
+    requests = "kvrail:requests"
+    group = "engines"
+    control = "kvrail:control"
+    dead = "kvrail:dead"
+
+    @staticmethod
+    def response(request_id: str) -> str:
+        return f"kvrail:resp:{request_id}"
+
+    @staticmethod
+    def request_state(request_id: str) -> str:
+        return f"kvrail:req:{request_id}"
+
+    @staticmethod
+    def worker(name: str) -> str:
+        return f"kvrail:worker:{name}"
+
+
+class SchemaError(ValueError):
+    """A message that does not follow the schema; the text says what is wrong."""
+
+
+# Sampling fields accepted on the wire, with their types (validated again by SamplingParams).
+SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
+    "n": (int,),
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": (int,),
+    "min_p": (int, float),
+    "seed": (int, type(None)),
+    "max_tokens": (int, type(None)),
+    "min_tokens": (int,),
+    "stop": (list,),
+    "stop_token_ids": (list,),
+    "include_stop_str_in_output": (bool,),
+    "ignore_eos": (bool,),
+    "presence_penalty": (int, float),
+    "frequency_penalty": (int, float),
+    "repetition_penalty": (int, float),
+    "logprobs": (int, type(None)),
+    "logit_bias": (dict, type(None)),
+    "skip_special_tokens": (bool,),
+}
+
+
+@dataclass
+class _Message:
+    TYPES: ClassVar[dict[str, tuple[type, ...]]] = {}
+    REQUIRED: ClassVar[tuple[str, ...]] = ()
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"v": VERSION, **asdict(self)}, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> Any:
+        """Strictly decode one message; raises SchemaError naming what is wrong."""
+        if not isinstance(data, bytes | bytearray):
+            raise SchemaError(f"{cls.__name__}: expected bytes, got {type(data).__name__}")
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise SchemaError(f"{cls.__name__}: message of {len(data)} bytes is too large")
+        try:
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=0)
+        except Exception as e:  # msgpack raises several unrelated types
+            raise SchemaError(f"{cls.__name__}: not valid msgpack ({e})") from None
+        if not isinstance(obj, dict):
+            raise SchemaError(f"{cls.__name__}: expected a map, got {type(obj).__name__}")
+        if obj.get("v") != VERSION:
+            raise SchemaError(f"{cls.__name__}: unsupported version {obj.get('v')!r}")
+        obj = {k: v for k, v in obj.items() if k != "v"}
+        unknown = sorted(set(obj) - {f.name for f in fields(cls)})
+        if unknown:
+            raise SchemaError(f"{cls.__name__}: unknown field(s) {unknown}")
+        for name in cls.REQUIRED:
+            if name not in obj:
+                raise SchemaError(f"{cls.__name__}: missing field {name!r}")
+        for name, value in obj.items():
+            types = cls.TYPES[name]
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                raise SchemaError(f"{cls.__name__}: field {name!r} has type {type(value).__name__}")
+        message = cls(**obj)
+        message.validate()
+        return message
+
+    def validate(self) -> None:
+        """Checks beyond types; raise SchemaError."""
+
+
+def _check_id(value: str, name: str) -> None:
+    if not 0 < len(value) <= MAX_ID_LEN or not value.isprintable() or " " in value:
+        raise SchemaError(f"{name} must be 1..{MAX_ID_LEN} printable characters without spaces")
+
+
+@dataclass
+class GenerateRequest(_Message):
+    """One request on `kvrail:requests`. Exactly one of prompt, prompt_token_ids, messages."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None  # chat: the worker applies the chat template
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
+    reply_to: str | None = None  # response stream; None = keys.response(request_id)
+    deadline_ms: int | None = None  # unix ms after which the request is finished with an error
+
+    TYPES: ClassVar = {
+        "request_id": (str,),
+        "prompt": (str, type(None)),
+        "prompt_token_ids": (list, type(None)),
+        "messages": (list, type(None)),
+        "sampling": (dict,),
+        "reply_to": (str, type(None)),
+        "deadline_ms": (int, type(None)),
+    }
+    REQUIRED: ClassVar = ("request_id",)
+
+    def validate(self) -> None:
+        _check_id(self.request_id, "request_id")
+        given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
+        if sum(given) != 1:
+            raise SchemaError("exactly one of prompt, prompt_token_ids, messages is required")
+        if self.prompt is not None and len(self.prompt) > MAX_PROMPT_CHARS:
+            raise SchemaError(f"prompt longer than {MAX_PROMPT_CHARS} characters")
+        if self.prompt_token_ids is not None and (
+            len(self.prompt_token_ids) > MAX_PROMPT_TOKENS
+            or not all(type(t) is int and t >= 0 for t in self.prompt_token_ids)
+        ):
+            raise SchemaError("prompt_token_ids must be non-negative integers")
+        if self.messages is not None:
+            if not 0 < len(self.messages) <= MAX_MESSAGES:
+                raise SchemaError(f"messages must hold 1..{MAX_MESSAGES} entries")
+            for m in self.messages:
+                if not (
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                ):
+                    raise SchemaError("each message needs string 'role' and 'content'")
+        for name, value in self.sampling.items():
+            types = SAMPLING_FIELDS.get(name)
+            if types is None:
+                raise SchemaError(f"unknown sampling field {name!r}")
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                raise SchemaError(f"sampling field {name!r} has type {type(value).__name__}")
+        if self.reply_to is not None and not self.reply_to.startswith(NAMESPACE + "resp:"):
+            raise SchemaError(f"reply_to must name a stream under '{NAMESPACE}resp:'")
+
+    @property
+    def response_key(self) -> str:
+        return self.reply_to or keys.response(self.request_id)
+
+
+@dataclass
+class TokenChunk(_Message):
+    """One piece of a response on `kvrail:resp:{request_id}`.
+
+    `seq` starts at 0 and grows by one per chunk of the request (across its `n` choices), so a
+    reader drops repeats and notices gaps. A choice ends with a chunk carrying `finish_reason`;
+    the last chunk of the request carries `usage`. An `error` chunk ends the request.
+    """
+
+    request_id: str
+    seq: int
+    index: int = 0  # choice index, 0..n-1
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[list[list[int | float]]] | None = (
+        None  # per token: [[id, lp], ...], sampled first
+    )
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
+    error: str | None = None
+
+    TYPES: ClassVar = {
+        "request_id": (str,),
+        "seq": (int,),
+        "index": (int,),
+        "token_ids": (list,),
+        "text": (str,),
+        "logprobs": (list, type(None)),
+        "finish_reason": (str, type(None)),
+        "stop_reason": (int, str, type(None)),
+        "usage": (dict, type(None)),
+        "error": (str, type(None)),
+    }
+    REQUIRED: ClassVar = ("request_id", "seq")
+
+    @property
+    def is_last(self) -> bool:
+        """The request is complete after this chunk."""
+        return self.usage is not None or self.error is not None
+
+
+@dataclass
+class Abort(_Message):
+    """Broadcast on `kvrail:control`: whichever worker holds the request aborts it."""
+
+    request_id: str
+
+    TYPES: ClassVar = {"request_id": (str,)}
+    REQUIRED: ClassVar = ("request_id",)
+
+    def validate(self) -> None:
+        _check_id(self.request_id, "request_id")
+
+
+@dataclass
+class WorkerInfo(_Message):
+    """A worker's heartbeat, stored at `kvrail:worker:{name}` with a short TTL."""
+
+    name: str
+    model: str
+    max_model_len: int
+    started_ms: int
+    heartbeat_ms: int
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+    TYPES: ClassVar = {
+        "name": (str,),
+        "model": (str,),
+        "max_model_len": (int,),
+        "started_ms": (int,),
+        "heartbeat_ms": (int,),
+        "num_running": (int,),
+        "num_waiting": (int,),
+        "kv_cache_usage": (float, int),
+    }
+    REQUIRED: ClassVar = ("name", "model", "max_model_len", "started_ms", "heartbeat_ms")
