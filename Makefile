@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PY) examples/offline.py
+	$(VENV)/bin/kvrail serve $(ARGS)
 
 example: $(STAMP)
 	$(PY) examples/offline.py

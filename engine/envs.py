@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     KVRAIL_CLAIM_IDLE_MS: int
     KVRAIL_SHUTDOWN_GRACE_S: float
     KVRAIL_MAX_BODY_BYTES: int
+    KVRAIL_MAX_PENDING: int
+    KVRAIL_STREAM_TIMEOUT_S: float
 
 environment_variables: dict[str, Callable[[], Any]] = {
     # Where converted models (GGUF dequantized to safetensors) are cached.
@@ -47,6 +49,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # On SIGTERM, how long in-flight requests may run before being left to other workers.
     "KVRAIL_SHUTDOWN_GRACE_S": lambda: float(os.environ.get("KVRAIL_SHUTDOWN_GRACE_S", "30")),
     "KVRAIL_MAX_BODY_BYTES": lambda: int(os.environ.get("KVRAIL_MAX_BODY_BYTES", str(1 << 20))),
+    # The API answers 429 once this many requests wait undelivered or unacknowledged.
+    "KVRAIL_MAX_PENDING": lambda: int(os.environ.get("KVRAIL_MAX_PENDING", "1024")),
+    # A response stream silent this long (no chunk) fails with a timeout and is aborted.
+    "KVRAIL_STREAM_TIMEOUT_S": lambda: float(os.environ.get("KVRAIL_STREAM_TIMEOUT_S", "120")),
 }
 
 

@@ -1,36 +1,185 @@
-"""The `kvrail` command line."""
+"""The `kvrail` command line: `serve`, `worker`, `api` and `generate`.
+
+`serve` is the single-machine setup: an embedded Redis (unless REDIS_URL names one), one
+worker and the API in one process and one event loop, so `/metrics` shows both sides.
+`worker` and `api` are the same parts as separate programs, to scale each on its own.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 import sys
+from typing import Any
+
+from engine import envs
+
+ENGINE_OPTIONS = {
+    "device": str,
+    "dtype": str,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "max_model_len": int,
+    "num_kv_blocks": int,
+    "kv_cache_memory_bytes": int,
+}
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k) is not None}
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=envs.KVRAIL_MODEL, help="HF folder or .gguf file")
+    for name, kind in ENGINE_OPTIONS.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+
+
+def _add_http_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None)
+
+
+def _on_signals(callback) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, callback)
+
+
+async def _load_worker(args: argparse.Namespace, redis_url: str):
+    from engine import LLMEngine
+    from service.worker import Worker
+
+    engine = await asyncio.to_thread(
+        LLMEngine.from_kwargs, model=args.model, **_engine_kwargs(args)
+    )
+    return Worker(engine, redis_url, args.name, model_name=getattr(args, "served_model_name", None))
+
+
+async def _worker_main(args: argparse.Namespace) -> None:
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        from service.metrics import REGISTRY
+
+        start_http_server(args.metrics_port, registry=REGISTRY)
+    worker = await _load_worker(args, _require_redis_url())
+    _on_signals(worker.stop)
+    await worker.run()
+
+
+async def _api_main(args: argparse.Namespace) -> None:
+    from service.api import build_api_server
+
+    server = await build_api_server(
+        args.host, args.port, _require_redis_url(), args.model,
+        served_model_name=args.served_model_name,
+    )  # fmt: skip
+
+    def stop() -> None:
+        server.should_exit = True
+
+    _on_signals(stop)
+    await server.serve()
+
+
+async def _serve_main(args: argparse.Namespace) -> None:
+    from queueing.redis_server import EmbeddedRedis
+    from service.api import build_api_server
+
+    redis_url, embedded = envs.REDIS_URL, None
+    if redis_url is None:
+        embedded = await asyncio.to_thread(EmbeddedRedis(appendonly=True).start)
+        redis_url = embedded.url
+    try:
+        worker = await _load_worker(args, redis_url)
+        server = await build_api_server(
+            args.host, args.port, redis_url, args.model, served_model_name=args.served_model_name
+        )
+
+        def stop() -> None:
+            server.should_exit = True
+            worker.stop()
+
+        _on_signals(stop)
+        worker_task = asyncio.create_task(worker.run())
+        await server.serve()
+        worker.stop()
+        await worker_task
+    finally:
+        if embedded is not None:
+            embedded.cleanup()
+
+
+def _require_redis_url() -> str:
+    if envs.REDIS_URL is None:
+        sys.exit(
+            "REDIS_URL is not set (kvrail serve starts an embedded Redis; worker/api need one)"
+        )
+    return envs.REDIS_URL
 
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=args.model)
+    llm = LLM(model=args.model, **_engine_kwargs(args))
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
     )
-    messages = [{"role": "user", "content": args.prompt}]
-    (output,) = llm.chat(messages, params) if not args.raw else llm.generate(args.prompt, params)
+    if args.raw:
+        (output,) = llm.generate(args.prompt, params)
+    else:
+        (output,) = llm.chat([{"role": "user", "content": args.prompt}], params)
     print(output.outputs[0].text)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvrail", description=__doc__)
+def _run_async(main) -> int:
+    import uvloop
+
+    from service.logging import configure_logging
+
+    configure_logging()
+    uvloop.run(main)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvrail", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="answer one prompt from the command line")
+
+    serve = sub.add_parser("serve", help="embedded Redis (if no REDIS_URL) + worker + API")
+    _add_engine_options(serve)
+    _add_http_options(serve)
+    serve.add_argument("--name", default=None, help="worker name in the consumer group")
+    serve.set_defaults(func=lambda a: _run_async(_serve_main(a)))
+
+    worker = sub.add_parser("worker", help="serve the request stream of REDIS_URL")
+    _add_engine_options(worker)
+    worker.add_argument("--name", default=None, help="consumer name (default host-pid)")
+    worker.add_argument("--metrics-port", type=int, default=None, help="Prometheus port")
+    worker.set_defaults(func=lambda a: _run_async(_worker_main(a)))
+
+    api = sub.add_parser("api", help="the OpenAI-compatible HTTP API on REDIS_URL")
+    api.add_argument("--model", default=envs.KVRAIL_MODEL, help="for its tokenizer and name")
+    _add_http_options(api)
+    api.set_defaults(func=lambda a: _run_async(_api_main(a)))
+
+    gen = sub.add_parser("generate", help="answer one prompt offline, without Redis")
+    _add_engine_options(gen)
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=None, help="HF folder or .gguf file (default SmolLM2)")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="no chat template")
     gen.set_defaults(func=_generate)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

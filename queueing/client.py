@@ -1,0 +1,423 @@
+"""The producer side of the wire: submit requests, read their chunks, abort them.
+
+`KvrailClient` (asyncio) serves many concurrent streams over a bounded connection pool: one
+`ResponseReader` task per client runs `XREAD BLOCK` over every response stream currently
+awaited and fans the chunks out to per-stream queues, so a thousand open streams cost one
+blocked connection, not a thousand (field notes: one XREAD per stream exhausts the pool).
+
+When a stream is added while the reader is blocked, the reader would only notice after its
+BLOCK expires; instead `subscribe` appends to the reader's private wake stream
+`kvrail:wake:{reader id}`, which the reader always reads, so the blocked XREAD returns at
+once. Appending (rather than `CLIENT UNBLOCK`) has no race: an entry added before the XREAD
+is sent makes it return immediately.
+
+`SyncKvrailClient` does the same with one blocking XREAD per stream, for scripts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import redis
+import redis.asyncio as aioredis
+
+from queueing.schema import Abort, GenerateRequest, SchemaError, TokenChunk, WorkerInfo, keys
+from queueing.streams import connect
+
+logger = logging.getLogger("kvrail.client")
+
+DEFAULT_BLOCK_MS = 1000  # short BLOCK in a loop (field notes: long blocks meet socket timeouts)
+DEFAULT_CHUNK_TIMEOUT_S = 120.0
+DEFAULT_MAX_CONNECTIONS = 64
+REQUEST_STATE_TTL_S = 600  # how long an abort mark outlives the request
+CONTROL_MAXLEN = 10_000  # aborts are broadcast; old ones are of no use to anyone
+WAKE_MAXLEN = 16
+WAKE_TTL_S = 3600
+_READ_COUNT = 256  # entries per stream per XREAD
+_RECONNECT_DELAY_S = 0.5
+_BACKLOG_COUNT_CAP = 10_000
+
+StreamId = tuple[int, int]
+
+
+class StreamError(RuntimeError):
+    """A response stream that cannot be read to its end."""
+
+
+class SeqGapError(StreamError):
+    """A chunk arrived whose `seq` skips one or more chunks: some output was lost."""
+
+
+class StreamTimeout(StreamError):
+    """No chunk arrived within the timeout."""
+
+
+class SeqTracker:
+    """Orders one request's chunks: drops repeats, raises on gaps, notices the end."""
+
+    def __init__(self, request_id: str, after_seq: int = -1) -> None:
+        self.request_id = request_id
+        self.next_seq = after_seq + 1
+        self.finished = False
+
+    def accept(self, chunk: TokenChunk) -> bool:
+        """True when `chunk` is the next one to hand out; False for a repeat.
+
+        A repeated final chunk still marks the stream finished: a reader resuming after the
+        last chunk it saw has nothing left to wait for.
+        """
+        if chunk.seq < self.next_seq:
+            self.finished = self.finished or chunk.is_last
+            return False
+        if chunk.seq > self.next_seq:
+            raise SeqGapError(
+                f"request {self.request_id}: expected chunk seq {self.next_seq}, got {chunk.seq}"
+            )
+        self.next_seq += 1
+        self.finished = chunk.is_last
+        return True
+
+
+def _parse_id(entry_id: bytes | str) -> StreamId:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _format_id(stream_id: StreamId) -> str:
+    return f"{stream_id[0]}-{stream_id[1]}"
+
+
+def _decode_chunk(fields: dict[bytes, bytes]) -> TokenChunk | SchemaError:
+    try:
+        return TokenChunk.decode(fields.get(b"data"))
+    except SchemaError as e:
+        return e
+
+
+@dataclass(eq=False)
+class Subscription:
+    """One reader of one response stream: its queue and the last entry id it was given."""
+
+    key: str
+    queue: asyncio.Queue[TokenChunk | Exception] = field(default_factory=asyncio.Queue)
+    last_id: StreamId = (0, 0)
+
+
+class ResponseReader:
+    """One task reading every awaited response stream with a single blocking connection."""
+
+    def __init__(
+        self,
+        blocking_redis: aioredis.Redis,
+        command_redis: aioredis.Redis,
+        block_ms: int = DEFAULT_BLOCK_MS,
+    ) -> None:
+        self._redis = blocking_redis
+        self._command_redis = command_redis
+        self._block_ms = block_ms
+        self._subs: dict[str, list[Subscription]] = {}
+        self.wake_key = f"kvrail:wake:{uuid.uuid4().hex}"
+        self._wake_id: StreamId = (0, 0)
+        # A wake entry was sent since the reader last chose its streams: later subscribers
+        # are picked up by that same wake-up, so a burst of subscribes sends one entry.
+        self._wake_sent = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def num_subscriptions(self) -> int:
+        return sum(len(subs) for subs in self._subs.values())
+
+    def start(self) -> None:
+        """Start the reader task (idempotent)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="kvrail-response-reader")
+
+    async def stop(self) -> None:
+        """Stop the reader task; subscriptions stay and get nothing more."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def subscribe(self, key: str) -> Subscription:
+        """Register a reader of `key` from its first entry and wake the blocked XREAD."""
+        self.start()
+        sub = Subscription(key)
+        self._subs.setdefault(key, []).append(sub)
+        if self._wake_sent:
+            return sub
+        self._wake_sent = True
+        async with self._command_redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(self.wake_key, {"k": key}, maxlen=WAKE_MAXLEN, approximate=True)
+            pipe.expire(self.wake_key, WAKE_TTL_S)
+            await pipe.execute()
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        """Forget `sub`; its stream is dropped from the next XREAD when nobody else reads it."""
+        subs = self._subs.get(sub.key, [])
+        if sub in subs:
+            subs.remove(sub)
+        if not subs:
+            self._subs.pop(sub.key, None)
+
+    def _streams_to_read(self) -> dict[str, StreamId]:
+        # Per stream, read from the id of its least advanced subscriber; the others skip
+        # what they already have (see `_dispatch`).
+        self._wake_sent = False
+        streams = {self.wake_key: self._wake_id}
+        for key, subs in self._subs.items():
+            streams[key] = min(sub.last_id for sub in subs)
+        return streams
+
+    async def _run(self) -> None:
+        while True:
+            read_from = self._streams_to_read()
+            try:
+                reply = await self._redis.xread(
+                    {key: _format_id(start) for key, start in read_from.items()},
+                    count=_READ_COUNT,
+                    block=self._block_ms,
+                )
+            except redis.RedisError as e:  # connection loss, or a foreign key of the wrong type
+                logger.warning("response reader: XREAD failed (%s); retrying", e)
+                await asyncio.sleep(_RECONNECT_DELAY_S)
+                continue
+            for raw_key, entries in reply or []:
+                key = raw_key.decode()
+                if key == self.wake_key:
+                    self._wake_id = _parse_id(entries[-1][0])
+                else:
+                    self._dispatch(key, read_from[key], entries)
+
+    def _dispatch(
+        self, key: str, read_from: StreamId, entries: list[tuple[bytes, dict[bytes, bytes]]]
+    ) -> None:
+        for entry_id, fields in entries:
+            parsed_id = _parse_id(entry_id)
+            chunk = _decode_chunk(fields)
+            for sub in self._subs.get(key, []):
+                # A subscriber that joined while this XREAD was in flight may lack entries
+                # before `read_from`: it waits for the next read, which starts at its id.
+                if read_from <= sub.last_id < parsed_id:
+                    sub.last_id = parsed_id
+                    sub.queue.put_nowait(chunk)
+
+
+class KvrailClient:
+    """Asyncio producer client: `submit`, `stream`, `abort`, `workers`, `backlog`.
+
+    Use as `async with KvrailClient(url) as client:`; `aclose()` stops the reader and closes
+    the connections.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        chunk_timeout_s: float = DEFAULT_CHUNK_TIMEOUT_S,
+        block_ms: int = DEFAULT_BLOCK_MS,
+    ) -> None:
+        # A blocking pool waits for a free connection instead of raising MaxConnectionsError
+        # when a burst of requests submits at once.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            redis_url,
+            max_connections=max_connections,
+            timeout=10,
+            protocol=2,
+            socket_timeout=5.0,
+            socket_connect_timeout=5.0,
+            health_check_interval=30,
+        )
+        self.redis = aioredis.Redis(connection_pool=pool)
+        self._blocking_redis = connect(redis_url, blocking=True)
+        self.reader = ResponseReader(self._blocking_redis, self.redis, block_ms)
+        self.chunk_timeout_s = chunk_timeout_s
+
+    async def __aenter__(self) -> KvrailClient:
+        self.reader.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop the reader and close both connection pools."""
+        await self.reader.stop()
+        await self._blocking_redis.aclose()
+        await self.redis.aclose()
+
+    async def submit(self, request: GenerateRequest) -> str:
+        """Validate and append `request` to the request stream (never trimmed: a trim could
+        drop entries still pending); returns its request id."""
+        request.validate()
+        await self.redis.xadd(keys.requests, {"data": request.encode()})
+        return request.request_id
+
+    async def stream(
+        self,
+        request_id: str,
+        after_seq: int = -1,
+        *,
+        reply_to: str | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[TokenChunk]:
+        """Yield the chunks of `request_id` after `after_seq`, in seq order, once each.
+
+        Ends after the final chunk (or at once when the final chunk is at or before
+        `after_seq`). Raises `SeqGapError` on a missing seq, `StreamTimeout` when no chunk
+        arrives within `timeout_s` (default: the client's), `SchemaError` on a bad entry.
+        """
+        timeout_s = self.chunk_timeout_s if timeout_s is None else timeout_s
+        sub = await self.reader.subscribe(reply_to or keys.response(request_id))
+        tracker = SeqTracker(request_id, after_seq)
+        try:
+            while not tracker.finished:
+                try:
+                    item = await asyncio.wait_for(sub.queue.get(), timeout_s)
+                except TimeoutError:
+                    raise StreamTimeout(
+                        f"request {request_id}: no chunk for {timeout_s:g} s"
+                    ) from None
+                if isinstance(item, Exception):
+                    raise item
+                if tracker.accept(item):
+                    yield item
+        finally:
+            self.reader.unsubscribe(sub)
+
+    async def abort(self, request_id: str) -> None:
+        """Broadcast an Abort on the control stream and mark the request aborted."""
+        state_key = keys.request_state(request_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(
+                keys.control,
+                {"data": Abort(request_id).encode()},
+                maxlen=CONTROL_MAXLEN,
+                approximate=True,
+            )
+            pipe.hset(state_key, "aborted", 1)
+            pipe.expire(state_key, REQUEST_STATE_TTL_S)
+            await pipe.execute()
+
+    async def workers(self) -> list[WorkerInfo]:
+        """The workers whose heartbeat key is alive (undecodable heartbeats are skipped)."""
+        names = [k async for k in self.redis.scan_iter(match=keys.worker("*"), count=1000)]
+        if not names:
+            return []
+        return _decode_workers(await self.redis.mget(names))
+
+    async def backlog(self) -> int:
+        """Requests not yet finished by a worker: undelivered plus delivered-but-unacked.
+
+        On Redis < 7 the undelivered part is counted by XRANGE, capped at `_BACKLOG_COUNT_CAP`.
+        """
+        try:
+            groups = await self.redis.xinfo_groups(keys.requests)
+        except redis.ResponseError:  # no request stream yet
+            return 0
+        group = next((g for g in groups if g["name"] == keys.group.encode()), None)
+        if group is None:  # no worker ever joined: everything is undelivered
+            return await self.redis.xlen(keys.requests)
+        undelivered = group.get("lag")
+        if undelivered is None:  # Redis < 7, or lag unknown after a trim
+            undelivered = await self._count_after(group["last-delivered-id"])
+        return int(group["pending"]) + int(undelivered)
+
+    async def _count_after(self, last_delivered_id: bytes) -> int:
+        entries = await self.redis.xrange(
+            keys.requests, min=b"(" + last_delivered_id, count=_BACKLOG_COUNT_CAP
+        )
+        return len(entries)
+
+
+def _decode_workers(values: list[bytes | None]) -> list[WorkerInfo]:
+    workers = []
+    for value in values:
+        if value is None:  # expired between SCAN and MGET
+            continue
+        try:
+            workers.append(WorkerInfo.decode(value))
+        except SchemaError as e:
+            logger.warning("skipping a bad worker heartbeat: %s", e)
+    return workers
+
+
+class SyncKvrailClient:
+    """Blocking client for scripts: `submit`, `iterate`, `abort`, `workers`."""
+
+    def __init__(self, redis_url: str, chunk_timeout_s: float = DEFAULT_CHUNK_TIMEOUT_S) -> None:
+        self.redis = redis.Redis.from_url(redis_url, protocol=2, socket_timeout=5.0)
+        # Blocking reads need no socket timeout; each BLOCK is short instead.
+        self._blocking_redis = redis.Redis.from_url(redis_url, protocol=2, socket_timeout=None)
+        self.chunk_timeout_s = chunk_timeout_s
+
+    def close(self) -> None:
+        self.redis.close()
+        self._blocking_redis.close()
+
+    def __enter__(self) -> SyncKvrailClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(self, request: GenerateRequest) -> str:
+        """Validate and append `request` to the request stream; returns its id."""
+        request.validate()
+        self.redis.xadd(keys.requests, {"data": request.encode()})
+        return request.request_id
+
+    def iterate(
+        self, request_id: str, after_seq: int = -1, reply_to: str | None = None
+    ) -> Iterator[TokenChunk]:
+        """As `KvrailClient.stream`: chunks after `after_seq` in order, ending after the last."""
+        key = reply_to or keys.response(request_id)
+        tracker = SeqTracker(request_id, after_seq)
+        last_id = "0-0"
+        deadline = time.monotonic() + self.chunk_timeout_s
+        while not tracker.finished:
+            if time.monotonic() > deadline:
+                raise StreamTimeout(
+                    f"request {request_id}: no chunk for {self.chunk_timeout_s:g} s"
+                )
+            reply = self._blocking_redis.xread({key: last_id}, count=_READ_COUNT, block=1000)
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    chunk = _decode_chunk(fields)
+                    if isinstance(chunk, Exception):
+                        raise chunk
+                    if tracker.accept(chunk):
+                        deadline = time.monotonic() + self.chunk_timeout_s
+                        yield chunk
+                    if tracker.finished:
+                        return
+
+    def abort(self, request_id: str) -> None:
+        """Broadcast an Abort on the control stream and mark the request aborted."""
+        state_key = keys.request_state(request_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(
+            keys.control,
+            {"data": Abort(request_id).encode()},
+            maxlen=CONTROL_MAXLEN,
+            approximate=True,
+        )
+        pipe.hset(state_key, "aborted", 1)
+        pipe.expire(state_key, REQUEST_STATE_TTL_S)
+        pipe.execute()
+
+    def workers(self) -> list[WorkerInfo]:
+        """The workers whose heartbeat key is alive."""
+        names = list(self.redis.scan_iter(match=keys.worker("*"), count=1000))
+        return _decode_workers(self.redis.mget(names)) if names else []

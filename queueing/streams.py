@@ -1,0 +1,212 @@
+"""The thin Redis Streams layer: connections, the request consumer group, response streams.
+
+Consumer side (`RequestConsumer`): a worker reads `kvrail:requests` through the group
+"engines", first its own pending entries (left by an earlier run under the same name), then new
+ones, and takes over entries of dead workers with XAUTOCLAIM. Entries are acknowledged only
+once their request is answered. Publisher side (`ResponsePublisher`): token chunks go to their
+response streams in one pipeline per batch, each stream capped and given a TTL.
+
+Stream entries carry one field, `data`: the msgpack bytes of a `queueing.schema` message.
+A trimmed or deleted entry reads back without fields: it is returned with `data=None`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from queueing.schema import TokenChunk, keys
+
+Entry = tuple[str, bytes | None]  # (stream entry id, the `data` field or None if trimmed)
+
+DEAD_LETTER_MAXLEN = 100_000
+RESPONSE_MAXLEN = 1 << 20  # chunks per response stream: more than any request produces
+
+
+def connect(url: str, blocking: bool = False) -> aioredis.Redis:
+    """An asyncio client. `blocking` clients carry XREAD/XREADGROUP BLOCK calls: no socket
+    timeout (redis-py's default would cut a blocked read), so keep each BLOCK short instead."""
+    return aioredis.Redis.from_url(
+        url,
+        decode_responses=False,
+        protocol=2,
+        socket_timeout=None if blocking else 5.0,
+        socket_connect_timeout=5.0,
+        health_check_interval=30,
+    )
+
+
+def _entry(entry_id: bytes | str, fields: dict | None) -> Entry:
+    entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return entry_id, (fields or {}).get(b"data")
+
+
+async def ensure_group(r: aioredis.Redis) -> None:
+    """Create the request stream and its consumer group if missing (idempotent)."""
+    try:
+        await r.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
+    except ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
+class RequestConsumer:
+    """One worker's view of the consumer group on `kvrail:requests`.
+
+    `r_blocking` carries the blocking XREADGROUP (no socket timeout), `r` everything else.
+    """
+
+    def __init__(
+        self,
+        r_blocking: aioredis.Redis,
+        r: aioredis.Redis,
+        consumer_name: str,
+        block_ms: int = 1000,
+        count: int = 32,
+    ) -> None:
+        self.r_blocking = r_blocking
+        self.r = r
+        self.name = consumer_name
+        self.block_ms = block_ms
+        self.count = count
+        # Own pending entries are drained once, from the start of the PEL, before new ones:
+        # re-reading them later would redeliver requests this worker is still serving.
+        self._pending_cursor: str | None = "0"
+        self._claim_cursor = "0-0"
+
+    async def read(self) -> list[Entry]:
+        """The next entries for this consumer; empty after one BLOCK with nothing new."""
+        while True:
+            start = self._pending_cursor or ">"
+            try:
+                reply = await self.r_blocking.xreadgroup(
+                    keys.group,
+                    self.name,
+                    {keys.requests: start},
+                    count=self.count,
+                    block=None if self._pending_cursor else self.block_ms,
+                )
+            except ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                # The stream or group was deleted (FLUSHALL, manual cleanup): recreate it.
+                await ensure_group(self.r)
+                continue
+            entries = [_entry(i, f) for _, stream in reply or [] for i, f in stream]
+            if self._pending_cursor is None:
+                return entries
+            if not entries:
+                self._pending_cursor = None  # caught up with our pending entries
+                continue
+            self._pending_cursor = entries[-1][0]
+            return entries
+
+    async def ack(self, *entry_ids: str) -> None:
+        await self.r.xack(keys.requests, keys.group, *entry_ids)
+
+    async def claim_stale(self, min_idle_ms: int) -> list[Entry]:
+        """Take over entries pending longer than `min_idle_ms` in other consumers (dead
+        workers). Walks the pending list a page per call. Entries deleted from the stream
+        meanwhile are dropped from the pending list by Redis 7 and not returned."""
+        try:
+            reply = await self.r.xautoclaim(
+                keys.requests,
+                keys.group,
+                self.name,
+                min_idle_ms,
+                start_id=self._claim_cursor,
+                count=self.count,
+            )
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            await ensure_group(self.r)
+            return []
+        cursor, claimed = reply[0], reply[1]
+        self._claim_cursor = cursor.decode() if isinstance(cursor, bytes) else cursor
+        # Redis 6.2 returns trimmed entries as (None, None): they have no id to act on.
+        return [_entry(i, f) for i, f in claimed if i is not None]
+
+    async def touch(self, entry_ids: Sequence[str]) -> None:
+        """Reset the idle time of entries this worker is still serving, so that no other
+        worker's `claim_stale` takes a long-running request over (XCLAIM JUSTID keeps the
+        delivery count)."""
+        if entry_ids:
+            await self.r.xclaim(
+                keys.requests, keys.group, self.name, 0, list(entry_ids), justid=True
+            )
+
+    async def dead_letter(self, entry_id: str, data: bytes | None, reason: str) -> None:
+        """Record an entry that could not be served on `kvrail:dead` (the caller acks it)."""
+        await self.r.xadd(
+            keys.dead,
+            {"entry_id": entry_id, "data": data or b"", "reason": reason},
+            maxlen=DEAD_LETTER_MAXLEN,
+            approximate=True,
+        )
+
+
+class ResponsePublisher:
+    """Writes token chunks to response streams, one pipeline (one round trip) per batch."""
+
+    def __init__(self, r: aioredis.Redis, ttl_s: int, maxlen: int = RESPONSE_MAXLEN) -> None:
+        self.r = r
+        self.ttl_s = ttl_s
+        self.maxlen = maxlen
+
+    async def publish(self, items: Iterable[tuple[str, TokenChunk]]) -> None:
+        """XADD each `(stream key, chunk)` in order, then EXPIRE each key once: a stream
+        created by XADD has no TTL, and the TTL counts from the latest chunk."""
+        pipe = self.r.pipeline(transaction=False)
+        touched: dict[str, None] = {}
+        for key, chunk in items:
+            pipe.xadd(key, {"data": chunk.encode()}, maxlen=self.maxlen, approximate=True)
+            touched[key] = None
+        for key in touched:
+            pipe.expire(key, self.ttl_s)
+        if touched:
+            await pipe.execute()
+
+
+async def read_response(r: aioredis.Redis, key: str, page: int = 1000) -> list[TokenChunk]:
+    """Every chunk a response stream holds, in stream order (used to resume a request)."""
+    chunks: list[TokenChunk] = []
+    start = "-"
+    while True:
+        entries = await r.xrange(key, min=start, max="+", count=page)
+        chunks.extend(TokenChunk.decode(f[b"data"]) for _, f in entries)
+        if len(entries) < page:
+            return chunks
+        last = entries[-1][0].decode()
+        start = "(" + last
+
+
+async def own_request(
+    r: aioredis.Redis, request_id: str, entry_id: str, ttl_s: int
+) -> tuple[str, bool]:
+    """Claim `request_id` for the stream entry `entry_id` unless another entry owns it.
+
+    Returns the owning entry id, `entry_id` itself when this entry is (or already was) the
+    owner, e.g. when it is redelivered to resume, another id for a duplicate submission; and
+    whether a client marked the request aborted (`aborted` field, set by the producer side:
+    an Abort broadcast before any worker held the request reaches nobody).
+    """
+    key = keys.request_state(request_id)
+    pipe = r.pipeline(transaction=True)
+    pipe.hsetnx(key, "entry", entry_id)
+    pipe.hsetnx(key, "state", "running")
+    pipe.hmget(key, ["entry", "aborted"])
+    pipe.expire(key, ttl_s)
+    _, _, (owner, aborted), _ = await pipe.execute()
+    return owner.decode(), aborted is not None
+
+
+async def mark_done(r: aioredis.Redis, request_ids: Iterable[str], ttl_s: int) -> None:
+    """Record that requests were answered in full (their final chunk is stored)."""
+    pipe = r.pipeline(transaction=False)
+    for request_id in request_ids:
+        pipe.hset(keys.request_state(request_id), "state", "done")
+        pipe.expire(keys.request_state(request_id), ttl_s)
+    await pipe.execute()

@@ -1,0 +1,97 @@
+"""Prometheus metrics, vLLM's names with a `kvrail:` prefix, in one module-level registry.
+
+The worker section below is updated by `service.worker`; tests read values with
+`REGISTRY.get_sample_value(...)`. HTTP-side metrics are appended in their own section.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry()
+
+# ---- worker (engine) metrics -----------------------------------------------------------------
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_TOKEN_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+)  # fmt: skip
+
+num_requests_running = Gauge(
+    "kvrail:num_requests_running", "Requests in model execution batches.", registry=REGISTRY
+)
+num_requests_waiting = Gauge(
+    "kvrail:num_requests_waiting", "Requests waiting to be scheduled.", registry=REGISTRY
+)
+kv_cache_usage_perc = Gauge(
+    "kvrail:kv_cache_usage_perc", "KV-cache usage, 1 = 100 percent.", registry=REGISTRY
+)
+prompt_tokens = Counter(
+    "kvrail:prompt_tokens", "Prompt tokens of finished requests.", registry=REGISTRY
+)
+generation_tokens = Counter(
+    "kvrail:generation_tokens", "Generated tokens delivered.", registry=REGISTRY
+)
+request_success = Counter(
+    "kvrail:request_success",
+    "Requests answered in full, by finish reason.",
+    ["finished_reason"],
+    registry=REGISTRY,
+)
+num_preemptions = Counter(
+    "kvrail:num_preemptions", "Preemptions by the scheduler.", registry=REGISTRY
+)
+prefix_cache_queries = Counter(
+    "kvrail:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=REGISTRY
+)
+prefix_cache_hits = Counter(
+    "kvrail:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=REGISTRY
+)
+time_to_first_token_seconds = Histogram(
+    "kvrail:time_to_first_token_seconds",
+    "From the request's XADD to its first token chunk.",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+inter_token_latency_seconds = Histogram(
+    "kvrail:inter_token_latency_seconds",
+    "Between successive tokens of a request.",
+    buckets=_TOKEN_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+e2e_request_latency_seconds = Histogram(
+    "kvrail:e2e_request_latency_seconds",
+    "From the request's XADD to its final chunk.",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+request_queue_time_seconds = Histogram(
+    "kvrail:request_queue_time_seconds",
+    "From the request's XADD until a worker took it from the stream.",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+
+# ---- HTTP (API) metrics ------------------------------------------------------------------------
+# Updated by service.api's middleware: what the API's clients saw, streams included
+# (timed until the last byte of the response).
+
+http_requests = Counter(
+    "kvrail:http_requests",
+    "HTTP requests answered, by route template, method and status code.",
+    ["route", "method", "status"],
+    registry=REGISTRY,
+)
+http_request_duration_seconds = Histogram(
+    "kvrail:http_request_duration_seconds",
+    "From receiving an HTTP request to sending the last byte of its response.",
+    ["route", "method"],
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+http_requests_in_progress = Gauge(
+    "kvrail:http_requests_in_progress", "HTTP requests being answered now.", registry=REGISTRY
+)

@@ -1,0 +1,429 @@
+"""The hand-written OpenAPI 3.1 document of `service.api`, served at `GET /openapi.json`.
+
+Request schemas state the limits the handlers enforce (so a fuzzer's valid inputs are
+accepted), and every operation lists the error statuses it can answer, each with the OpenAI
+error body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.request import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+
+_REF = "#/components/schemas/"
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": _REF + name}
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_STOP = {
+    "anyOf": [
+        {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_LEN},
+        {
+            "type": "array",
+            "maxItems": MAX_STOP_STRINGS,
+            "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_STRING_LEN},
+        },
+        {"type": "null"},
+    ]
+}
+_SAMPLING = {
+    "model": {"type": "string"},
+    "max_tokens": _nullable({"type": "integer", "minimum": 1}),
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
+    "temperature": {"type": "number", "minimum": 0},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": -1},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "seed": _nullable({"type": "integer"}),
+    "min_tokens": {"type": "integer", "minimum": 0},
+    "stop": _STOP,
+    "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}}),
+    "include_stop_str_in_output": {"type": "boolean"},
+    "ignore_eos": {"type": "boolean"},
+    "skip_special_tokens": {"type": "boolean"},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
+    "logit_bias": _nullable(
+        {
+            "type": "object",
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        }
+    ),
+    "stream": {"type": "boolean"},
+    "stream_options": _nullable(
+        {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}
+    ),
+    "user": {"type": "string"},
+}
+_USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        name: {"type": "integer", "minimum": 0}
+        for name in ("prompt_tokens", "completion_tokens", "total_tokens")
+    },
+}
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_COMPLETION_REQUEST = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "properties": {
+        **_SAMPLING,
+        "prompt": {
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1},
+                    "minItems": 1,
+                    "maxItems": 1,
+                },
+                _TOKEN_IDS,
+                {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1},
+            ]
+        },
+        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+        "echo": {"type": "boolean", "const": False},
+        "best_of": {"type": "null"},
+    },
+}
+_MESSAGE = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "user", "assistant"]},
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {
+                            "type": {"const": "text"},
+                            "text": {"type": "string"},
+                        },
+                    },
+                },
+            ]
+        },
+    },
+}
+_CHAT_REQUEST = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        **_SAMPLING,
+        "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+        "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+    },
+}
+_CHOICE_COMMON = {
+    "index": {"type": "integer"},
+    "finish_reason": {"type": ["string", "null"]},
+    "stop_reason": {"type": ["string", "integer", "null"]},
+    "logprobs": {"type": ["object", "null"]},
+}
+
+
+def _response(kind: str, choice_props: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": kind},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {
+                "type": "array",
+                "items": {"type": "object", "properties": {**_CHOICE_COMMON, **choice_props}},
+            },
+            "usage": _USAGE,
+        },
+    }
+
+
+_SCHEMAS = {
+    "Error": _ERROR,
+    "Usage": _USAGE,
+    "CompletionRequest": _COMPLETION_REQUEST,
+    "ChatCompletionRequest": _CHAT_REQUEST,
+    "Completion": _response("text_completion", {"text": {"type": "string"}}),
+    "ChatCompletion": _response(
+        "chat.completion",
+        {
+            "message": {
+                "type": "object",
+                "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+            }
+        },
+    ),
+    "ModelList": {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["id", "object", "created", "owned_by"],
+                    "properties": {
+                        "id": {"type": "string"},
+                        "object": {"const": "model"},
+                        "created": {"type": "integer"},
+                        "owned_by": {"type": "string"},
+                        "max_model_len": {"type": ["integer", "null"]},
+                    },
+                },
+            },
+        },
+    },
+    "TokenizeRequest": {
+        "anyOf": [
+            {
+                "type": "object",
+                "required": ["prompt"],
+                "properties": {
+                    "model": {"type": "string"},
+                    "prompt": {"type": "string"},
+                    "add_special_tokens": {"type": "boolean"},
+                    "return_token_strs": {"type": "boolean"},
+                },
+            },
+            {
+                "type": "object",
+                "required": ["messages"],
+                "properties": {
+                    "model": {"type": "string"},
+                    "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+                    "add_generation_prompt": {"type": "boolean"},
+                    "add_special_tokens": {"type": "boolean"},
+                    "return_token_strs": {"type": "boolean"},
+                },
+            },
+        ]
+    },
+    "TokenizeResponse": {
+        "type": "object",
+        "required": ["count", "max_model_len", "tokens", "token_strs"],
+        "properties": {
+            "count": {"type": "integer"},
+            "max_model_len": {"type": ["integer", "null"]},
+            "tokens": {"type": "array", "items": {"type": "integer"}},
+            "token_strs": {"type": ["array", "null"], "items": {"type": "string"}},
+        },
+    },
+    "DetokenizeRequest": {
+        "type": "object",
+        "required": ["tokens"],
+        "properties": {
+            "model": {"type": "string"},
+            "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        },
+    },
+    "DetokenizeResponse": {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {"prompt": {"type": "string"}},
+    },
+    "Health": {
+        "type": "object",
+        "required": ["status", "workers"],
+        "properties": {"status": {"const": "ok"}, "workers": {"type": "integer"}},
+    },
+}
+
+_ERROR_TEXT = {
+    "400": "Malformed JSON, a wrong type or value (param names it), or a prompt too long",
+    "401": "Missing or wrong bearer API key (when the server has one)",
+    "404": "Unknown model",
+    "413": "Body larger than KVRAIL_MAX_BODY_BYTES",
+    "429": "Too many requests pending; see Retry-After",
+    "500": "The worker failed the request",
+    "503": "No worker is alive; see Retry-After",
+    "504": "The worker sent nothing within the stream timeout",
+}
+
+
+def _errors(*codes: str) -> dict[str, Any]:
+    body = {"application/json": {"schema": _ref("Error")}}
+    return {code: {"description": _ERROR_TEXT[code], "content": body} for code in codes}
+
+
+def _json(schema_name: str, description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": _ref(schema_name)}},
+    }
+
+
+def _sse(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+
+
+def _generation(request_schema: str, response_schema: str, summary: str) -> dict[str, Any]:
+    ok = _json(response_schema, "The whole answer (stream=false)")
+    ok["content"] |= _sse("With stream=true: chunks as SSE, each with `id: <seq>`, then [DONE]")[
+        "content"
+    ]
+    return {
+        "post": {
+            "summary": summary,
+            "security": [{"bearer": []}, {}],
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(request_schema)}},
+            },
+            "responses": {
+                "200": ok,
+                **_errors("400", "401", "404", "413", "429", "500", "503", "504"),
+            },
+        }
+    }
+
+
+def openapi_document(model_name: str) -> dict[str, Any]:
+    """The OpenAPI 3.1 description of every route of `service.api.create_app`."""
+    tokenize_body = {
+        "required": True,
+        "content": {"application/json": {"schema": _ref("TokenizeRequest")}},
+    }
+    detokenize_body = {
+        "required": True,
+        "content": {"application/json": {"schema": _ref("DetokenizeRequest")}},
+    }
+    last_event_id = {
+        "name": "Last-Event-ID",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string", "pattern": "^(-1|[0-9]+)$"},
+        "description": "The last seq received; the stream resumes after it",
+    }
+    paths = {
+        "/v1/completions": _generation("CompletionRequest", "Completion", "Text completion"),
+        "/v1/chat/completions": _generation(
+            "ChatCompletionRequest", "ChatCompletion", "Chat completion"
+        ),
+        "/v1/models": {
+            "get": {
+                "summary": "The served model",
+                "security": [{"bearer": []}, {}],
+                "responses": {"200": _json("ModelList", "One model"), **_errors("401")},
+            }
+        },
+        "/v1/streams/{request_id}": {
+            "get": {
+                "summary": "Resume a streaming request after Last-Event-ID",
+                "security": [{"bearer": []}, {}],
+                "parameters": [
+                    {
+                        "name": "request_id",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string"},
+                    },
+                    last_event_id,
+                ],
+                "responses": {
+                    "200": _sse("The remaining chunks, then [DONE]"),
+                    **_errors("400", "401"),
+                    "404": {
+                        "description": "Unknown or expired request id",
+                        "content": {"application/json": {"schema": _ref("Error")}},
+                    },
+                },
+            }
+        },
+        "/health": {
+            "get": {
+                "summary": "Redis answers and a worker is alive",
+                "responses": {"200": _json("Health", "Healthy"), **_errors("503")},
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics",
+                "responses": {
+                    "200": {
+                        "description": "Prometheus text format",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
+        "/tokenize": {
+            "post": {
+                "summary": "Tokenize a prompt or chat messages",
+                "security": [{"bearer": []}, {}],
+                "requestBody": tokenize_body,
+                "responses": {
+                    "200": _json("TokenizeResponse", "Token ids"),
+                    **_errors("400", "401", "404", "413"),
+                },
+            }
+        },
+        "/detokenize": {
+            "post": {
+                "summary": "Token ids to text",
+                "security": [{"bearer": []}, {}],
+                "requestBody": detokenize_body,
+                "responses": {
+                    "200": _json("DetokenizeResponse", "The text"),
+                    **_errors("400", "401", "404", "413"),
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "This document",
+                "responses": {
+                    "200": {
+                        "description": "OpenAPI 3.1",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    }
+                },
+            }
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "kvrail", "version": "0.1.0", "description": f"Serving {model_name}"},
+        "paths": paths,
+        "components": {
+            "schemas": _SCHEMAS,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

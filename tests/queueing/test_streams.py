@@ -1,0 +1,121 @@
+"""The Redis Streams layer against a real redis-server (the session fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from queueing import streams
+from queueing.schema import GenerateRequest, TokenChunk, keys
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+
+
+def _request(i: int) -> bytes:
+    return GenerateRequest(request_id=f"r{i}", prompt="hi").encode()
+
+
+async def _clients(redis_url):
+    return streams.connect(redis_url, blocking=True), streams.connect(redis_url)
+
+
+async def test_ensure_group_is_idempotent(redis_url):
+    rb, r = await _clients(redis_url)
+    await streams.ensure_group(r)
+    await streams.ensure_group(r)
+    groups = await r.xinfo_groups(keys.requests)
+    assert [g["name"] for g in groups] == [keys.group.encode()]
+    await rb.aclose()
+    await r.aclose()
+
+
+async def test_read_drains_own_pending_first_then_new(redis_url):
+    rb, r = await _clients(redis_url)
+    await streams.ensure_group(r)
+    ids = [await r.xadd(keys.requests, {"data": _request(i)}) for i in range(3)]
+    first = streams.RequestConsumer(rb, r, "w1", block_ms=100, count=2)
+    got = await first.read()
+    assert [d for _, d in got] == [_request(0), _request(1)]
+    # A restart under the same name sees its two pending entries again, then the new one.
+    again = streams.RequestConsumer(rb, r, "w1", block_ms=100, count=2)
+    assert [e for e, _ in await again.read()] == [i.decode() for i in ids[:2]]
+    assert [e for e, _ in await again.read()] == [ids[2].decode()]
+    assert await again.read() == []  # one short BLOCK, nothing new
+    await again.ack(*(i.decode() for i in ids))
+    assert (await r.xpending(keys.requests, keys.group))["pending"] == 0
+    await rb.aclose()
+    await r.aclose()
+
+
+async def test_read_recreates_a_deleted_group_and_returns_trimmed_entries(redis_url):
+    rb, r = await _clients(redis_url)
+    consumer = streams.RequestConsumer(rb, r, "w1", block_ms=100)
+    assert await consumer.read() == []  # NOGROUP: created on the fly
+    entry = (await r.xadd(keys.requests, {"data": _request(0)})).decode()
+    assert await consumer.read() == [(entry, _request(0))]
+    await r.xdel(keys.requests, entry)
+    restarted = streams.RequestConsumer(rb, r, "w1", block_ms=100)
+    assert await restarted.read() == [(entry, None)]  # pending but deleted
+    await rb.aclose()
+    await r.aclose()
+
+
+async def test_claim_stale_takes_over_idle_entries_only(redis_url):
+    rb, r = await _clients(redis_url)
+    await streams.ensure_group(r)
+    entry = (await r.xadd(keys.requests, {"data": _request(0)})).decode()
+    dead = streams.RequestConsumer(rb, r, "dead", block_ms=100)
+    assert await dead.read() == [(entry, _request(0))]
+    alive = streams.RequestConsumer(rb, r, "alive", block_ms=100)
+    assert await alive.claim_stale(min_idle_ms=10_000) == []
+    await asyncio.sleep(0.25)
+    await dead.touch([entry])  # a live owner keeps its entry from going idle
+    assert await alive.claim_stale(min_idle_ms=200) == []
+    await asyncio.sleep(0.25)
+    assert await alive.claim_stale(min_idle_ms=200) == [(entry, _request(0))]
+    pending = await r.xpending_range(keys.requests, keys.group, "-", "+", 10)
+    assert [p["consumer"] for p in pending] == [b"alive"]
+    await rb.aclose()
+    await r.aclose()
+
+
+async def test_dead_letter_records_entry_and_reason(redis_url):
+    rb, r = await _clients(redis_url)
+    consumer = streams.RequestConsumer(rb, r, "w1")
+    await consumer.dead_letter("1-0", b"\xc1", "not valid msgpack")
+    [(_, fields)] = await r.xrange(keys.dead)
+    assert fields == {b"entry_id": b"1-0", b"data": b"\xc1", b"reason": b"not valid msgpack"}
+    await rb.aclose()
+    await r.aclose()
+
+
+async def test_publish_pipelines_chunks_with_ttl_and_read_response(redis_url):
+    r = streams.connect(redis_url)
+    publisher = streams.ResponsePublisher(r, ttl_s=60)
+    items = [
+        (keys.response(rid), TokenChunk(rid, seq, token_ids=[seq], text=str(seq)))
+        for seq in range(3)
+        for rid in ("a", "b")
+    ]
+    await publisher.publish(items)
+    for rid in ("a", "b"):
+        chunks = await streams.read_response(r, keys.response(rid), page=2)
+        assert [(c.seq, c.token_ids, c.text) for c in chunks] == [
+            (i, [i], str(i)) for i in range(3)
+        ]
+        assert 0 < await r.ttl(keys.response(rid)) <= 60
+    assert await streams.read_response(r, keys.response("none")) == []
+    await r.aclose()
+
+
+async def test_own_request_deduplicates_on_the_entry_id(redis_url):
+    r = streams.connect(redis_url)
+    assert await streams.own_request(r, "x", "1-0", 60) == ("1-0", False)
+    assert await streams.own_request(r, "x", "1-0", 60) == ("1-0", False)  # redelivered
+    assert await streams.own_request(r, "x", "2-0", 60) == ("1-0", False)  # duplicate
+    await streams.mark_done(r, ["x"], 60)
+    assert await r.hgetall(keys.request_state("x")) == {b"entry": b"1-0", b"state": b"done"}
+    await r.hset(keys.request_state("y"), "aborted", 1)  # the client gave up first
+    assert await streams.own_request(r, "y", "3-0", 60) == ("3-0", True)
+    await r.aclose()

@@ -1,0 +1,271 @@
+"""`service.worker.Worker` against a real Redis and a tiny random-weight model.
+
+Producers here are raw Redis commands (XADD of schema messages), so the worker is tested on the
+wire contract alone. Every test ends with the engine's KV pool fully free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import msgpack
+import pytest
+import pytest_asyncio
+
+from engine import LLM, LLMEngine, SamplingParams
+from queueing import streams
+from queueing.schema import Abort, GenerateRequest, TokenChunk, WorkerInfo, keys
+from service import metrics
+from service.worker import Worker
+from tests.engine.tiny_models import make_tiny_model
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
+
+ENGINE_KWARGS = dict(max_model_len=512, block_size=16, num_kv_blocks=128, max_num_seqs=16)
+PROMPT = "The quick brown fox jumps over the lazy dog."
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama"))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    """One engine shared by the module's workers, one worker at a time."""
+    return LLMEngine.from_kwargs(model=model_dir, **ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Offline generation with the same model: what the worker must reproduce."""
+    llm = LLM(model=model_dir, **ENGINE_KWARGS)
+
+    def generate(prompt, max_tokens):
+        [out] = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
+        return out.outputs[0].token_ids, out.outputs[0].text
+
+    generate.llm = llm
+    return generate
+
+
+@pytest_asyncio.fixture
+async def redis(redis_url):
+    r = streams.connect(redis_url)
+    yield r
+    await r.aclose()
+
+
+@contextlib.asynccontextmanager
+async def serving(engine, redis_url, name="w1", grace_s=5.0, **kwargs):
+    """Run a Worker for the duration of the block; on exit stop it and check the KV pool."""
+    worker = Worker(engine, redis_url, name, read_block_ms=200, **kwargs)
+    task = asyncio.create_task(worker.run())
+    try:
+        yield worker
+    finally:
+        worker.stop(grace_s)
+        await asyncio.wait_for(task, 15)
+    assert worker.stats().num_blocks_in_use == 0
+    assert not engine.has_unfinished_requests()
+
+
+async def submit(r, request: GenerateRequest) -> str:
+    return (await r.xadd(keys.requests, {"data": request.encode()})).decode()
+
+
+async def read_chunks(r, request_id: str, timeout: float = 20.0, until_last=True) -> list:
+    """Chunks of a response stream, waiting until the final one (or the first one)."""
+    key, last_id, chunks = keys.response(request_id), "0-0", []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for _, entries in await r.xread({key: last_id}, block=100) or []:
+            for entry_id, fields in entries:
+                last_id = entry_id
+                chunks.append(TokenChunk.decode(fields[b"data"]))
+        if chunks and (chunks[-1].is_last or not until_last):
+            return chunks
+    raise AssertionError(f"no final chunk for {request_id} in {timeout} s: {chunks}")
+
+
+def joined(chunks: list[TokenChunk], index: int = 0) -> tuple[list[int], str]:
+    mine = [c for c in chunks if c.index == index]
+    return [t for c in mine for t in c.token_ids], "".join(c.text for c in mine)
+
+
+async def num_pending(r) -> int:
+    return (await r.xpending(keys.requests, keys.group))["pending"]
+
+
+async def test_generates_like_offline(engine, reference, redis, redis_url):
+    tokens, text = reference(PROMPT, 24)
+    generated = metrics.REGISTRY.get_sample_value("kvrail:generation_tokens_total") or 0.0
+    async with serving(engine, redis_url) as worker:
+        await submit(
+            redis, GenerateRequest("r1", prompt=PROMPT, sampling=dict(max_tokens=24, **GREEDY))
+        )
+        sampling = dict(max_tokens=8, n=2, logprobs=2, **GREEDY)
+        await submit(redis, GenerateRequest("r2", prompt=PROMPT, sampling=sampling))
+        chunks = await read_chunks(redis, "r1")
+        chunks2 = await read_chunks(redis, "r2")
+        info = WorkerInfo.decode(await redis.get(keys.worker(worker.name)))
+        assert info.max_model_len == 512
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert joined(chunks) == (tokens, text)
+    assert chunks[-1].finish_reason == "length"
+    assert chunks[-1].usage["completion_tokens"] == 24
+    assert [c.seq for c in chunks2] == list(range(len(chunks2)))
+    for index in (0, 1):
+        assert joined(chunks2, index)[0] == tokens[:8]
+        logprobs = [lp for c in chunks2 if c.index == index for lp in c.logprobs]
+        assert len(logprobs) == 8 and all(
+            entry[0][0] == t for entry, t in zip(logprobs, tokens[:8], strict=True)
+        )
+    assert chunks2[-1].usage["completion_tokens"] == 16
+    assert await num_pending(redis) == 0
+    assert await redis.hget(keys.request_state("r1"), "state") == b"done"
+    assert metrics.REGISTRY.get_sample_value("kvrail:generation_tokens_total") == generated + 40
+
+
+async def test_duplicate_request_id_is_generated_once(engine, redis, redis_url):
+    request = GenerateRequest("dup", prompt=PROMPT, sampling=dict(max_tokens=16, **GREEDY))
+    await submit(redis, request)
+    await submit(redis, request)
+    async with serving(engine, redis_url) as worker:
+        chunks = await read_chunks(redis, "dup")
+        await asyncio.sleep(0.3)  # give a second generation the chance to show up
+        assert worker.stats().num_added == 1  # the engine saw one request
+    stored = await streams.read_response(redis, keys.response("dup"))
+    assert [c.seq for c in stored] == list(range(len(chunks))) and stored[-1].is_last
+    assert await num_pending(redis) == 0
+
+
+async def test_resumes_the_entry_of_a_dead_worker(engine, reference, redis, redis_url):
+    tokens, text = reference(PROMPT, 30)
+    request = GenerateRequest("res", prompt=PROMPT, sampling=dict(max_tokens=30, **GREEDY))
+    entry_id = await submit(redis, request)
+    # A worker that read the entry, published a few steps' deltas, then died.
+    await streams.ensure_group(redis)
+    dead = streams.RequestConsumer(redis, redis, "dead")
+    assert [e for e, _ in await dead.read()] == [entry_id]
+    assert await streams.own_request(redis, "res", entry_id, 60) == (entry_id, False)
+    offline = reference.llm.llm_engine
+    offline.add_request("res", PROMPT, SamplingParams(max_tokens=30, **GREEDY))
+    partial = []
+    while len(partial) < 5:
+        for out in offline.step():
+            c = out.outputs[0]
+            partial.append(TokenChunk("res", len(partial), token_ids=c.token_ids, text=c.text))
+    offline.abort_request("res")
+    await streams.ResponsePublisher(redis, 60).publish((keys.response("res"), c) for c in partial)
+    async with serving(engine, redis_url, claim_idle_ms=500):
+        chunks = await read_chunks(redis, "res")
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert joined(chunks) == (tokens, text)
+    assert chunks[-1].usage["completion_tokens"] == 30
+    assert await num_pending(redis) == 0
+
+
+async def test_stop_leaves_unfinished_entries_pending_for_another_worker(
+    engine, reference, redis, redis_url
+):
+    tokens, text = reference(PROMPT, 200)
+    request = GenerateRequest("long", prompt=PROMPT, sampling=dict(max_tokens=200, **GREEDY))
+    await submit(redis, request)
+    async with serving(engine, redis_url, name="a", grace_s=0.0):
+        await read_chunks(redis, "long", until_last=False)
+    assert await redis.get(keys.worker("a")) is None
+    pending = await redis.xpending_range(keys.requests, keys.group, "-", "+", 10)
+    assert [p["consumer"] for p in pending] == [b"a"]
+    before = await streams.read_response(redis, keys.response("long"))
+    assert not before[-1].is_last
+    async with serving(engine, redis_url, name="b", claim_idle_ms=500):
+        chunks = await read_chunks(redis, "long")
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert joined(chunks) == (tokens, text)
+    assert await num_pending(redis) == 0
+
+
+async def test_abort_frees_kv_blocks(engine, redis, redis_url):
+    request = GenerateRequest("ab", prompt=PROMPT, sampling=dict(max_tokens=400, **GREEDY))
+    await submit(redis, request)
+    async with serving(engine, redis_url) as worker:
+        await read_chunks(redis, "ab", until_last=False)
+        assert worker.stats().num_blocks_in_use > 0
+        await redis.xadd(keys.control, {"data": Abort("ab").encode()})
+        start = time.monotonic()
+        chunks = await read_chunks(redis, "ab", timeout=1.0)
+        while worker.stats().num_blocks_in_use and time.monotonic() - start < 1.0:
+            await asyncio.sleep(0.01)
+        assert worker.stats().num_blocks_in_use == 0
+    assert chunks[-1].finish_reason == "abort"
+    assert chunks[-1].usage["completion_tokens"] == sum(len(c.token_ids) for c in chunks) < 400
+    assert await num_pending(redis) == 0
+
+
+async def test_bad_entries_are_dead_lettered_and_the_worker_keeps_serving(engine, redis, redis_url):
+    await redis.xadd(keys.requests, {"data": b"\xc1 not msgpack"})
+    wrong_type = msgpack.packb({"v": 1, "request_id": "types", "prompt": 5})
+    await redis.xadd(keys.requests, {"data": wrong_type})
+    await submit(redis, GenerateRequest("oov", prompt_token_ids=[1, 10**7]))
+    await submit(redis, GenerateRequest("temp", prompt=PROMPT, sampling={"temperature": -1.0}))
+    past = int(time.time() * 1000) - 1000
+    await submit(redis, GenerateRequest("late", prompt=PROMPT, deadline_ms=past))
+    await redis.hset(keys.request_state("gone"), "aborted", 1)  # the client's abort came first
+    await submit(redis, GenerateRequest("gone", prompt=PROMPT))
+    await submit(redis, GenerateRequest("ok", prompt=PROMPT, sampling=dict(max_tokens=4, **GREEDY)))
+    async with serving(engine, redis_url):
+        ok = await read_chunks(redis, "ok")
+        errors = {
+            rid: (await read_chunks(redis, rid))[-1]
+            for rid in ("types", "oov", "temp", "late", "gone")
+        }
+    assert ok[-1].usage["completion_tokens"] == 4
+    assert all(c.finish_reason == "error" and c.seq == 0 for c in errors.values())
+    assert "prompt" in errors["types"].error
+    assert "vocab" in errors["oov"].error or "[0," in errors["oov"].error
+    assert "temperature" in errors["temp"].error
+    assert errors["late"].error == "deadline exceeded"
+    assert errors["gone"].error == "aborted"
+    dead = await redis.xrange(keys.dead)
+    assert len(dead) == 4  # late and aborted requests are answered, not bad entries
+    assert "msgpack" in dead[0][1][b"reason"].decode()
+    assert await num_pending(redis) == 0
+
+
+async def test_engine_fault_and_running_deadline_fail_only_their_requests(
+    engine, redis, redis_url, monkeypatch
+):
+    real_step = engine.engine_core.step
+    calls = {"n": 0}
+
+    def step_failing_once():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    monkeypatch.setattr(engine.engine_core, "step", step_failing_once)
+    await submit(redis, GenerateRequest("fault", prompt=PROMPT))
+    async with serving(engine, redis_url):
+        fault = await read_chunks(redis, "fault")
+        deadline = int(time.time() * 1000) + 300
+        sampling = dict(max_tokens=400, **GREEDY)
+        await submit(
+            redis, GenerateRequest("slow", prompt=PROMPT, sampling=sampling, deadline_ms=deadline)
+        )
+        slow = await read_chunks(redis, "slow", timeout=5.0)
+        await submit(
+            redis, GenerateRequest("next", prompt=PROMPT, sampling=dict(max_tokens=4, **GREEDY))
+        )
+        after = await read_chunks(redis, "next")
+    assert fault[-1].error == "engine error: injected fault"
+    assert slow[-1].error == "deadline exceeded" and len(slow) > 1
+    assert sum(len(c.token_ids) for c in slow) < 400
+    assert after[-1].usage["completion_tokens"] == 4
+    [(_, dead)] = await redis.xrange(keys.dead)
+    assert dead[b"reason"] == b"engine error: injected fault"
+    assert await num_pending(redis) == 0
