@@ -123,7 +123,7 @@ class ResponseReader:
         self._command_redis = command_redis
         self._block_ms = block_ms
         self._subs: dict[str, list[Subscription]] = {}
-        self.wake_key = f"kvrail:wake:{uuid.uuid4().hex}"
+        self.wake_key = keys.wake(uuid.uuid4().hex)
         self._wake_id: StreamId = (0, 0)
         # A wake entry was sent since the reader last chose its streams: later subscribers
         # are picked up by that same wake-up, so a burst of subscribes sends one entry.

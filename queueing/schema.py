@@ -7,6 +7,8 @@ Keys (see `keys` below):
     kvrail:dead                dead-letter stream: entries that could not be decoded or served
     kvrail:req:{request_id}    hash: which request-stream entry owns the id, and its state
     kvrail:worker:{name}       heartbeat of one worker (msgpack WorkerInfo, short TTL)
+    kvrail:wake:{reader}       an API process's response reader: wakes its blocked XREAD
+    kvrail:sse:{request_id}    JSON shape of an SSE response, so /v1/streams/{id} can resume it
 
 Each stream entry has one field, `data`, holding the msgpack map. Decoding is strict: an
 unknown version, a missing or mistyped field, an unknown field or an oversize value raises
@@ -46,6 +48,14 @@ class keys:  # a namespace of key builders, lower-case like a module
     @staticmethod
     def worker(name: str) -> str:
         return f"kvrail:worker:{name}"
+
+    @staticmethod
+    def wake(reader_id: str) -> str:
+        return f"kvrail:wake:{reader_id}"
+
+    @staticmethod
+    def sse(request_id: str) -> str:
+        return f"kvrail:sse:{request_id}"
 
 
 class SchemaError(ValueError):

@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine import envs, loader
 from engine.loader import resolve_model
 from queueing.client import KvrailClient, StreamError, StreamTimeout
-from queueing.schema import GenerateRequest, SchemaError, TokenChunk, WorkerInfo
+from queueing.schema import GenerateRequest, SchemaError, TokenChunk, WorkerInfo, keys
 from service import metrics
 from service.openai_protocol import (
     ApiError,
@@ -234,7 +234,7 @@ async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
     )
     # Kept for `/v1/streams/{id}`, which must shape a resumed stream the same way.
     await state.client.redis.set(
-        _shape_key(parsed.request_id), shape.to_json(), ex=state.response_ttl_s
+        keys.sse(parsed.request_id), shape.to_json(), ex=state.response_ttl_s
     )
     await state.client.submit(generate)
     return _event_stream(state, shape, after_seq=-1)
@@ -280,10 +280,6 @@ def _stream_failure(error: StreamError) -> ApiError:
     if isinstance(error, StreamTimeout):
         return ApiError(504, str(error), type="timeout_error", code="worker_timeout")
     return ApiError(500, str(error), type="server_error", code="stream_error")
-
-
-def _shape_key(request_id: str) -> str:
-    return f"kvrail:sse:{request_id}"
 
 
 # ---- server-sent events ------------------------------------------------------------------------
@@ -384,7 +380,7 @@ async def resume_stream(request: Request) -> Response:
         raise ApiError(400, "Last-Event-ID must be an integer seq", param="Last-Event-ID") from None
     if after_seq < -1:
         raise ApiError(400, "Last-Event-ID must be >= -1", param="Last-Event-ID")
-    stored = await state.client.redis.get(_shape_key(request_id))
+    stored = await state.client.redis.get(keys.sse(request_id))
     if stored is None:
         raise ApiError(404, f"No stream for request '{request_id}' (unknown or expired)")
     return _event_stream(state, StreamShape.from_json(stored), after_seq)

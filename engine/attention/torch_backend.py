@@ -1,7 +1,8 @@
 """The `torch` attention backend: paged attention with plain torch ops, on any device.
 
-Requests are split into a decode group (query_len == 1) and a prefill group (query_len > 1,
-including chunked prefill over cached context). Each group is padded to a rectangle
+Requests are split into decode groups (query_len == 1, bucketed by context length so short
+contexts are not padded to the longest one) and a prefill group (query_len > 1, including
+chunked prefill over cached context). Each group is padded to a rectangle
 `[num_group_reqs, max_query_len]` of queries against `[num_group_reqs, num_blocks * block_size]`
 keys gathered through the block table, so one `scaled_dot_product_attention` call per group
 serves all its requests: no per-sequence Python loop in `forward`.
@@ -41,10 +42,10 @@ class TorchAttentionBackend(AttentionBackend):
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         qsl = common.query_start_loc_cpu[: common.num_reqs + 1].long()
         query_lens = qsl[1:] - qsl[:-1]
-        groups = []
-        for req_index in ((query_lens == 1).nonzero(), (query_lens > 1).nonzero()):
-            if req_index.numel():
-                groups.append(_build_group(common, req_index.squeeze(1), qsl, query_lens))
+        groups = [
+            _build_group(common, req_index, qsl, query_lens)
+            for req_index in _split_requests(common, query_lens)
+        ]
         return TorchAttentionMetadata(
             slot_mapping=common.slot_mapping[: common.num_actual_tokens].long(),
             num_actual_tokens=common.num_actual_tokens,
@@ -93,6 +94,27 @@ class TorchAttentionBackend(AttentionBackend):
             attn = attn.transpose(1, 2).reshape(num_seqs * max_query_len, num_heads, head_dim)
             out.index_copy_(0, group.token_index, attn.index_select(0, group.valid_index))
         return out
+
+
+def _split_requests(
+    common: CommonAttentionMetadata, query_lens: torch.Tensor
+) -> list[torch.Tensor]:
+    """Request indices per group: decodes bucketed by power-of-two block counts (at most 2x
+    padding within a bucket, a handful of buckets per step), then all prefills together."""
+    groups = []
+    is_decode = query_lens == 1
+    if is_decode.any():
+        decode_index = is_decode.nonzero().squeeze(1)
+        num_blocks = (common.seq_lens_cpu[decode_index].long() + common.block_size - 1) // (
+            common.block_size
+        )
+        bucket = torch.ceil(torch.log2(num_blocks.double())).long()
+        for b in torch.unique(bucket).tolist():
+            groups.append(decode_index[bucket == b])
+    prefill_index = (~is_decode).nonzero().squeeze(1)
+    if prefill_index.numel():
+        groups.append(prefill_index)
+    return groups
 
 
 def _build_group(

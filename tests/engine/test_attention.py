@@ -130,10 +130,11 @@ def test_block_written_in_step_is_read_by_other_request():
 
 def test_only_prefill_or_only_decode_batches():
     backend = get_attn_backend("torch")
-    for reqs in ([(5, 1), (31, 1)], [(0, 4), (9, 6)]):
+    # Decodes are bucketed by power-of-two block counts: 1 block, 2 blocks, then 3-4 blocks.
+    for reqs, num_groups in (([(5, 1), (31, 1), (40, 1), (60, 1)], 3), ([(0, 4), (9, 6)], 1)):
         q, k, v, k_cache, v_cache, common, qs, contexts = make_step(reqs, 4, 2, 16, seed=1)
         metadata = backend.build(common)
-        assert len(metadata.groups) == 1
+        assert len(metadata.groups) == num_groups
         out = backend.forward(q, k, v, k_cache, v_cache, metadata, 0.25)
         expected = torch.cat(
             [
