@@ -19,7 +19,10 @@ class EngineConfig:
     # Cache
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # exactly this many blocks when set
-    kv_cache_memory_bytes: int = 1 << 30  # otherwise the pool is sized from this budget
+    kv_cache_memory_bytes: int = 1 << 30  # otherwise the pool is sized from this budget (CPU)
+    # CUDA: the pool takes this share of device memory, minus weights and profiled activations.
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # CUDA: no decode CUDA graphs
     enable_prefix_caching: bool = True
     # Scheduler
     max_num_seqs: int = 128  # running requests at once
@@ -39,6 +42,9 @@ class EngineConfig:
             self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", "must be >= 2"
         )
         check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
+        check(
+            0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"
+        )
         check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         check(

@@ -2,7 +2,9 @@
 
 It keeps its own copy of each live request (token ids, block table) in persistent numpy
 arrays, updated from the scheduler's per-step diffs, so a step's inputs are built with a
-few vectorised gathers instead of per-token Python work.
+few vectorised gathers instead of per-token Python work. On CUDA the KV pool is sized from
+free device memory after a profiling forward, host-to-device copies are pinned and
+asynchronous, and all-decode steps replay CUDA graphs (`engine/cuda_graphs.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from engine.attention import CommonAttentionMetadata, get_attn_backend, set_forward_context
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeCudaGraphs
 from engine.loader import load_model
 from engine.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from engine.request import SamplingParams
@@ -90,9 +93,86 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cuda_graphs: DecodeCudaGraphs | None = None
 
     def num_kv_blocks_for(self, memory_bytes: int) -> int:
         return memory_bytes // self.model.get_kv_cache_spec().bytes_per_block(self.block_size)
+
+    def determine_num_kv_blocks(self) -> int:
+        """KV pool size: `kv_cache_memory_bytes` on CPU, profiled free memory on CUDA."""
+        if self.device.type != "cuda":
+            return self.num_kv_blocks_for(self.config.kv_cache_memory_bytes)
+        return self.num_kv_blocks_for(self._profile_kv_cache_bytes())
+
+    def _dummy_prefill(self, num_tokens: int) -> tuple[torch.Tensor, CommonAttentionMetadata]:
+        """Positions and metadata of `num_tokens` prompt tokens, as requests of at most
+        `max_model_len` tokens, over a scratch KV cache bound to the model (rebound later)."""
+        seq_lens = torch.tensor(
+            [
+                min(self.max_model_len, num_tokens - s)
+                for s in range(0, num_tokens, self.max_model_len)
+            ],
+            dtype=torch.int32,
+        )
+        blocks_per_req = -(-int(seq_lens.max()) // self.block_size)
+        block_table = torch.arange(len(seq_lens) * blocks_per_req, dtype=torch.int32)
+        block_table = block_table.view(len(seq_lens), blocks_per_req)
+        spec = self.model.get_kv_cache_spec()
+        self.model.bind_kv_cache(spec.allocate(block_table.numel(), self.block_size, self.device))
+        positions = torch.cat([torch.arange(n) for n in seq_lens.tolist()])
+        token_req = torch.repeat_interleave(torch.arange(len(seq_lens)), seq_lens.long())
+        blocks = block_table[token_req, positions // self.block_size].long()
+        query_start_loc = torch.cat([torch.zeros(1, dtype=torch.int32), seq_lens.cumsum(0).int()])
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start_loc.to(self.device),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens=seq_lens.to(self.device),
+            seq_lens_cpu=seq_lens,
+            block_table=block_table.to(self.device),
+            slot_mapping=(blocks * self.block_size + positions % self.block_size).to(self.device),
+            num_reqs=len(seq_lens),
+            num_actual_tokens=num_tokens,
+            max_query_len=int(seq_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=self.block_size,
+        )
+        return positions.to(self.device), common
+
+    @torch.inference_mode()
+    def _profile_kv_cache_bytes(self) -> int:
+        """Run the largest step (a max-size prefill, then logits and probabilities for
+        `max_num_seqs` rows) on a scratch cache and leave its peak activation memory free:
+        the KV pool gets `gpu_memory_utilization` of the device minus what is in use."""
+        num_tokens = self.config.max_num_batched_tokens
+        positions, common = self._dummy_prefill(num_tokens)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with set_forward_context(self.attn_backend.build(common)):
+            hidden_states = self.model(torch.zeros_like(positions), positions)
+        num_rows = min(self.max_num_reqs, num_tokens)
+        self.model.compute_logits(hidden_states[:num_rows]).softmax(-1)
+        torch.cuda.synchronize(self.device)
+        activation_bytes = torch.cuda.max_memory_allocated(self.device)
+        del hidden_states
+        torch.cuda.empty_cache()
+        activation_bytes -= torch.cuda.memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        kv_bytes = int(total * self.config.gpu_memory_utilization) - (total - free)
+        kv_bytes -= activation_bytes
+        logger.info(
+            "memory profile: %.2f GiB total, %.2f GiB in use, %.2f GiB peak activations, "
+            "%.2f GiB for the KV cache (gpu_memory_utilization=%.2f)",
+            total / 2**30,
+            (total - free) / 2**30,
+            activation_bytes / 2**30,
+            kv_bytes / 2**30,
+            self.config.gpu_memory_utilization,
+        )
+        if kv_bytes <= 0:
+            raise ValueError(
+                "no device memory left for the KV cache: raise gpu_memory_utilization or lower "
+                "max_num_batched_tokens / max_num_seqs"
+            )
+        return kv_bytes
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the paged KV pool (per layer, K and V) and bind it to the model."""
@@ -108,6 +188,27 @@ class ModelRunner:
             num_bytes / 2**20,
             spec.dtype,
         )
+        if (
+            self.device.type == "cuda"
+            and self.attn_backend.name == "triton"
+            and not self.config.enforce_eager
+        ):
+            self.cuda_graphs = DecodeCudaGraphs(
+                self.model,
+                self.attn_backend,
+                self.max_num_reqs,
+                self.max_num_blocks_per_req,
+                self.block_size,
+                self.device,
+            )
+            self.cuda_graphs.capture()
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """Host array -> device tensor; on CUDA through pinned memory, without a host sync."""
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diffs to the runner's copy of each request."""
@@ -165,8 +266,7 @@ class ModelRunner:
         max_seq_len = int(seq_lens.max())
         query_start_loc = np.concatenate([[0], cu_num_tokens]).astype(np.int32)
         block_table = self.block_table_cpu[rows, : -(-max_seq_len // self.block_size)]
-
-        to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+        to_device = self._to_device
         common = CommonAttentionMetadata(
             query_start_loc=to_device(query_start_loc),
             query_start_loc_cpu=torch.from_numpy(query_start_loc),
@@ -195,16 +295,16 @@ class ModelRunner:
         input_ids, positions, common, is_sampling, logits_indices = self._prepare_inputs(
             scheduler_output, req_ids
         )
-        attn_metadata = self.attn_backend.build(common)
-        with set_forward_context(attn_metadata):
-            hidden_states = self.model(input_ids, positions)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(common):
+            hidden_states = self.cuda_graphs.run(input_ids, positions, common)
+        else:
+            with set_forward_context(self.attn_backend.build(common)):
+                hidden_states = self.model(input_ids, positions)
         sampling_states = [self.requests[r] for r, s in zip(req_ids, is_sampling, strict=True) if s]
         sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[LogprobsEntry | None] = [None] * len(req_ids)
         if sampling_states:
-            logits = self.model.compute_logits(
-                hidden_states[torch.from_numpy(logits_indices).to(self.device)]
-            )
+            logits = self.model.compute_logits(hidden_states[self._to_device(logits_indices)])
             metadata = SamplingMetadata.build(
                 params=[s.sampling_params for s in sampling_states],
                 prompt_token_ids=[s.prompt_token_ids for s in sampling_states],

@@ -108,7 +108,11 @@ def get_attn_backend(name: str) -> AttentionBackend:
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: 'torch'")
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: 'torch', 'triton'")
 
 
 @dataclass

@@ -2,12 +2,14 @@
 
 Inputs are `[T]` token ids and positions of all scheduled tokens of all requests, back to back;
 attention reads the step's metadata from the forward context and the paged KV cache bound by
-the model runner. q/k/v and gate/up are fused into one matmul each at load time.
+the model runner. q/k/v and gate/up are fused into one matmul each at load time. With the
+`triton` attention backend, RMSNorm (+ residual add), rotary embedding and SiLU-and-multiply
+run as fused Triton kernels (`engine/kernels/`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -16,18 +18,27 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionBackend, KVCacheSpec, get_forward_context
+from engine.kernels.rms_norm import rms_norm
+from engine.kernels.rotary import build_cos_sin_cache, rotary_embedding
+from engine.kernels.silu_and_mul import silu_and_mul
+
+# Applies rotary embedding to (q, k) for the step's positions; built once per step.
+RopeFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, fused: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = fused
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalize `x`; with `residual`, first add it and also return the sum (next residual)."""
+        if self.fused:
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -41,7 +52,7 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding; `inv_freq` comes from HF so every rope type HF knows matches."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, fused: bool = False) -> None:
         super().__init__()
         rope_type = config.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
@@ -54,6 +65,12 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = attention_scaling
         # Kept fp32 whatever the model dtype: positions times frequencies need the precision.
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.fused = fused
+        if fused:
+            cache = build_cos_sin_cache(
+                self.inv_freq, config.max_position_embeddings, attention_scaling
+            )
+            self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -64,6 +81,13 @@ class RotaryEmbedding(nn.Module):
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
+
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeFn:
+        """What every layer applies to its (q, k) this step; cos/sin are computed once."""
+        if self.fused:
+            return lambda q, k: rotary_embedding(positions, q, k, self.cos_sin_cache)
+        cos, sin = self(positions, dtype)
+        return lambda q, k: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -84,20 +108,19 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        fused = attn_backend.name == "triton"
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=arch.o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused) if arch.qk_norm else None
         self.attn_backend = attn_backend
         # Bound by the model runner (bind_kv_cache); not parameters or buffers.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(
-        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, rope: RopeFn) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         q, k, v = self.qkv_proj(hidden_states).split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1
@@ -107,7 +130,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rope(q, k)
         out = self.attn_backend.forward(
             q, k, v, self.k_cache, self.v_cache, get_forward_context().attn_metadata, self.scale
         )
@@ -115,14 +138,18 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, bias: bool) -> None:
+    def __init__(self, config: PretrainedConfig, bias: bool, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -131,24 +158,24 @@ class LlamaDecoderLayer(nn.Module):
         self, config: PretrainedConfig, attn_backend: AttentionBackend, arch: ArchTraits
     ) -> None:
         super().__init__()
+        fused = attn_backend.name == "triton"
         self.self_attn = LlamaAttention(config, attn_backend, arch)
-        self.mlp = LlamaMLP(config, bias=arch.mlp_bias)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, bias=arch.mlp_bias, fused=fused)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeFn,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos, sin)
+        hidden_states = self.self_attn(hidden_states, rope)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -162,15 +189,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, attn_backend, arch) for _ in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config)
+        fused = attn_backend.name == "triton"
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.rotary_emb = RotaryEmbedding(config, fused)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, hidden_states.dtype)
+        rope = self.rotary_emb.for_step(positions, hidden_states.dtype)
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(hidden_states, residual, cos, sin)
+            hidden_states, residual = layer(hidden_states, residual, rope)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

@@ -1,0 +1,115 @@
+"""Scatter a step's new K and V into the paged KV cache through `slot_mapping`.
+
+Cache layout per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`; token `t` goes to
+block `slot_mapping[t] // block_size`, offset `slot_mapping[t] % block_size`. A negative slot
+(a padded row of a CUDA-graph batch) writes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    K,
+    V,
+    K_cache,
+    V_cache,
+    Slot_mapping,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    PAGE_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(Slot_mapping + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // PAGE_SIZE
+    offset = slot % PAGE_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(K + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(V + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    k_ptrs = K_cache + block * stride_kcb + offset * stride_kcs
+    v_ptrs = V_cache + block * stride_vcb + offset * stride_vcs
+    tl.store(
+        k_ptrs + offs_h[:, None] * stride_kch + offs_d[None, :],
+        k.to(K_cache.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        v_ptrs + offs_h[:, None] * stride_vch + offs_d[None, :],
+        v.to(V_cache.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write `k`, `v` `[T, num_kv_heads, head_dim]` into the caches (mutated in place).
+
+    `slot_mapping` `[T]` int: `block_id * block_size + offset`; negative entries are skipped.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    for t in (k, v, k_cache, v_cache):
+        assert t.stride(-1) == 1, "the head dimension must be contiguous"
+    _write_kv_cache_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        PAGE_SIZE=k_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def write_kv_cache_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """PyTorch reference of `write_kv_cache`."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[valid].to(k_cache.dtype)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[valid].to(v_cache.dtype)

@@ -1,0 +1,281 @@
+"""Every Triton kernel against its PyTorch reference, under TRITON_INTERPRET=1 on tiny shapes.
+
+Caches are filled with random finite values everywhere, so a kernel that reads an unmasked
+slot or a wrong block changes the result.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.kernels.decode_attention import decode_attention, decode_attention_ref
+from engine.kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
+from engine.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+from engine.kernels.rms_norm import rms_norm, rms_norm_ref
+from engine.kernels.rotary import build_cos_sin_cache, rotary_embedding, rotary_embedding_ref
+from engine.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+from engine.loader import load_tokenizer
+
+HEAD_DIM = 16
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+DTYPES = [torch.float32, torch.float16]
+
+
+def paged_cache(seq_lens, block_size, num_kv_heads, dtype, seed=0):
+    """Random caches and a block table of scattered, non-adjacent blocks for `seq_lens`."""
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-s // block_size) for s in seq_lens) + 1
+    num_blocks = len(seq_lens) * max_blocks + 2
+    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * max_blocks]
+    block_table = perm.view(len(seq_lens), max_blocks).int()
+    return k_cache, v_cache, block_table
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_write_kv_cache(dtype, block_size):
+    gen = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(5, block_size, 2, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(5, block_size, 2, HEAD_DIM, generator=gen).to(dtype)
+    # k is a strided view (as after splitting a fused qkv), fp32 written into a `dtype` cache.
+    qkv = torch.randn(6, 3, 2, HEAD_DIM, generator=gen)
+    k, v = qkv[:, 1], qkv[:, 2]
+    slots = torch.tensor([0, 3 * block_size + 1, -1, 5 * block_size - 1, 7, block_size])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv_cache_ref(k, v, expected_k, expected_v, slots)
+    write_kv_cache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    write_kv_cache(k[:0], v[:0], k_cache, v_cache, slots[:0])  # an empty step is a no-op
+    assert torch.equal(k_cache, expected_k)
+
+
+# (block_size, num_heads, num_kv_heads, num_splits, dtype)
+DECODE_CASES = [
+    (8, 4, 4, 1, torch.float32),
+    (8, 8, 2, 3, torch.float32),
+    (16, 6, 2, 4, torch.float16),
+    (16, 4, 1, 2, torch.float32),
+]
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,num_splits,dtype", DECODE_CASES)
+def test_decode_attention(block_size, num_heads, num_kv_heads, num_splits, dtype):
+    # Contexts that end mid-block, on a block edge, a single token, and an empty (padded) row.
+    seq_lens = torch.tensor([37, block_size, 1, 0, 2 * block_size + 3], dtype=torch.int32)
+    k_cache, v_cache, block_table = paged_cache(seq_lens.tolist(), block_size, num_kv_heads, dtype)
+    q = torch.randn(len(seq_lens), num_heads, HEAD_DIM).to(dtype)
+    query_start_loc = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        0.3,
+        out,
+        num_decodes=len(seq_lens),
+        num_splits=num_splits,
+        block_n=16,
+    )
+    expected = decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, 0.3)
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+    assert not out[3].any(), "an empty context must give zeros, not NaN"
+
+
+def test_decode_attention_selected_requests_of_mixed_batch():
+    # Requests 0 and 2 decode inside a batch whose request 1 has 3 query tokens.
+    seq_lens = torch.tensor([20, 9, 11], dtype=torch.int32)
+    k_cache, v_cache, block_table = paged_cache(seq_lens.tolist(), 8, 2, torch.float32)
+    query_start_loc = torch.tensor([0, 1, 4, 5], dtype=torch.int32)
+    q = torch.randn(5, 4, HEAD_DIM)
+    out = torch.zeros_like(q)
+    decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        0.25,
+        out,
+        num_decodes=2,
+        req_indices=torch.tensor([0, 2], dtype=torch.int32),
+        num_splits=2,
+        block_n=16,
+    )
+    rows = torch.tensor([0, 4])
+    expected = decode_attention_ref(
+        q[rows], k_cache, v_cache, block_table[[0, 2]], seq_lens[[0, 2]], 0.25
+    )
+    torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+    assert not out[1:4].any(), "rows of other requests must not be written"
+
+
+# (block_size, num_heads, num_kv_heads, dtype)
+PREFILL_CASES = [
+    (8, 4, 4, torch.float32),
+    (8, 8, 2, torch.float16),
+    (16, 6, 2, torch.float32),
+    (16, 4, 1, torch.float16),
+]
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,dtype", PREFILL_CASES)
+def test_prefill_attention(block_size, num_heads, num_kv_heads, dtype):
+    # (num_computed_tokens, query_len): a fresh prompt longer than one query tile, chunked
+    # prefill over cached context ending mid-block, an empty query, a one-token query, a
+    # prefix-cache hit starting on a block edge.
+    reqs = [(0, 21), (13, 7), (5, 0), (9, 1), (block_size, 4)]
+    seq_lens = torch.tensor([c + n for c, n in reqs], dtype=torch.int32)
+    query_lens = torch.tensor([n for _, n in reqs])
+    query_start_loc = torch.zeros(len(reqs) + 1, dtype=torch.int32)
+    query_start_loc[1:] = query_lens.cumsum(0)
+    k_cache, v_cache, block_table = paged_cache(seq_lens.tolist(), block_size, num_kv_heads, dtype)
+    q = torch.randn(int(query_lens.sum()), num_heads, HEAD_DIM).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        0.3,
+        out,
+        num_prefills=len(reqs),
+        max_query_len=int(query_lens.max()),
+        block_m=16,
+        block_n=16,
+    )
+    expected = prefill_attention_ref(
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, 0.3
+    )
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+
+
+def test_prefill_attention_selected_requests():
+    seq_lens = torch.tensor([12, 1, 30], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 5, 6, 26], dtype=torch.int32)
+    k_cache, v_cache, block_table = paged_cache(seq_lens.tolist(), 8, 2, torch.float32)
+    q = torch.randn(26, 4, HEAD_DIM)
+    out = torch.zeros_like(q)
+    prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        0.25,
+        out,
+        num_prefills=2,
+        max_query_len=20,
+        req_indices=torch.tensor([0, 2], dtype=torch.int32),
+        block_m=16,
+        block_n=16,
+    )
+    expected = prefill_attention_ref(
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, 0.25
+    )
+    assert not out[5].any(), "the decode request's row belongs to the decode kernel"
+    out[5] = expected[5]
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, with_residual):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 3, 40, generator=gen).to(dtype)  # 40: not a power of two
+    weight = torch.randn(40, generator=gen).to(dtype)
+    residual = torch.randn(7, 3, 40, generator=gen).to(dtype) if with_residual else None
+    x_before = x.clone()
+    got = rms_norm(x, weight, 1e-6, residual)
+    expected = rms_norm_ref(x, weight, 1e-6, residual)
+    if with_residual:
+        torch.testing.assert_close(got[1], expected[1], atol=0, rtol=0)
+        got, expected = got[0], expected[0]
+    torch.testing.assert_close(got, expected, **TOL[dtype])
+    assert torch.equal(x, x_before), "inputs must not be modified"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_in_place_on_strided_views(dtype):
+    gen = torch.Generator().manual_seed(3)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)
+    cache = build_cos_sin_cache(inv_freq, 100, scaling=0.9)
+    positions = torch.tensor([0, 1, 57, 99, 8])
+    # q and k are views into one fused qkv row, as the model produces them.
+    qkv = torch.randn(5, (6 + 2 + 2) * HEAD_DIM, generator=gen).to(dtype)
+    q = qkv[:, : 6 * HEAD_DIM].view(5, 6, HEAD_DIM)
+    k = qkv[:, 6 * HEAD_DIM : 8 * HEAD_DIM].view(5, 2, HEAD_DIM)
+    v_before = qkv[:, 8 * HEAD_DIM :].clone()
+    expected_q, expected_k = rotary_embedding_ref(positions, q, k, cache)
+    out_q, out_k = rotary_embedding(positions, q, k, cache)
+    assert out_q is q and out_k is k
+    torch.testing.assert_close(q, expected_q, **TOL[dtype])
+    torch.testing.assert_close(k, expected_k, **TOL[dtype])
+    assert torch.equal(qkv[:, 8 * HEAD_DIM :], v_before), "v must be untouched"
+
+
+def test_cos_sin_cache_matches_model_rotary():
+    inv_freq = 1.0 / 500000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM)
+    cache = build_cos_sin_cache(inv_freq, 64)
+    positions = torch.tensor([3, 63])
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    torch.testing.assert_close(cache[positions], torch.cat((freqs.cos(), freqs.sin()), -1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    gen = torch.Generator().manual_seed(4)
+    x = (3 * torch.randn(6, 2 * 40, generator=gen)).to(dtype)
+    # block_n 16 splits each row over three programs, the last one masked.
+    torch.testing.assert_close(silu_and_mul(x, block_n=16), silu_and_mul_ref(x), **TOL[dtype])
+    assert silu_and_mul(x[:0]).shape == (0, 40)
+
+
+def test_gpu_check_dry_run_kernel_section(tmp_path, monkeypatch):
+    """`benchmarks/gpu_check.py` cannot run here without a GPU; its CPU dry run checks the
+    script's logic: kernels vs references, result files, target evaluation."""
+    from benchmarks import gpu_check
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gpu_check.main(["--dry-run", "--sections", "kernels"]) == 0
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    for model in ("qwen3-0.6b", "llama-3.2-1b"):
+        kernels = results["kernels"][model]
+        assert kernels["kv_cache_write"]["exact"]
+        for name in ("decode_attention", "prefill_attention", "rms_norm", "rotary"):
+            assert kernels[name]["rel_err"] < 1e-4, name
+        assert kernels["decode_attention"]["fraction_of_copy"] > 0
+    targets = {t["target"]: t for t in results["targets"]}
+    assert targets["greedy parity vs HF"]["value"] is None  # section not run: no verdict
+    assert "| target | value | goal | ok |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_gpu_check_helpers(tmp_path):
+    from benchmarks import gpu_check
+
+    prompts, output_lens = gpu_check.nano_vllm_workload(50, 100, 1024, 151936)
+    assert len(prompts) == len(output_lens) == 50
+    assert all(100 <= len(p) <= 1024 and max(p) < 10000 for p in prompts)
+    assert all(100 <= n <= 1024 for n in output_lens)
+    assert gpu_check.nano_vllm_workload(50, 100, 1024, 151936)[0] == prompts  # seeded
+    # Qwen3-0.6B: 28 layers x 8 KV heads x 128 dims x K,V x bf16 = 112 KiB per token.
+    assert gpu_check.kv_bytes_per_token(gpu_check.QWEN3_0_6B, 2) == 112 * 1024
+    limit = gpu_check.decode_bandwidth_limit_s(10**9, [1000] * 4, gpu_check.QWEN3_0_6B, 2, 1e12)
+    assert limit == pytest.approx((10**9 + 4000 * 112 * 1024) / 1e12)
+    # The random-weight folder loads through the engine's own loader and tokenizer.
+    path = gpu_check.make_random_model(tmp_path / "tiny", gpu_check.TINY, torch.device("cpu"))
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.encode("w5 w7 w511", add_special_tokens=False) == [5, 7, 511]
+    assert tokenizer.decode([5, 7]) == "w5 w7"
