@@ -21,7 +21,7 @@ example: $(STAMP)
 	$(PY) examples/offline.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not reliability"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -29,3 +29,35 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# `make bench`: a quick run of the four benchmarks (under 10 minutes on 2 cores); tables,
+# JSON and plots land in benchmarks/results/. Full-size runs: see benchmarks/README.md.
+BENCH_STAMP := $(VENV)/.bench-installed
+
+.PHONY: bench
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[service,test,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) -m benchmarks.kv_waste
+	$(PY) -m benchmarks.throughput --num-requests 16 --serial-requests 2 --static-requests 16
+	$(PY) -m benchmarks.serve --launch --backend http --dtype bfloat16 --num-requests 16 \
+		--input-len 64:256 --output-len 32:64 --request-rate 4 --max-concurrency 8 \
+		--offline-baseline
+	$(PY) -m benchmarks.sweep --budgets 64,256,1024 --load-fractions 0.5,1,2 \
+		--num-requests 6 --input-len 64:256 --output-len 16:32 --num-kv-blocks 64 \
+		--max-model-len 512
+
+# On a CUDA machine, with its own python3 (no venv): kernels, parity vs HF, throughput.
+# Results in $(OUT) or benchmarks/results/; GPU_CHECK_ARGS=--quick for a shorter run.
+.PHONY: gpu-check
+gpu-check:
+	PYTHONPATH=. python3 benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# `make test-reliability`: the fault-injection tests (worker kills, Redis restarts, overload,
+# fuzzing) behind the `reliability` marker, about 10 minutes on 2 cores. See docs/reliability.md.
+.PHONY: test-reliability
+test-reliability: $(STAMP)
+	$(PY) -m pytest -q -m reliability tests/reliability

@@ -125,6 +125,12 @@ class LLMEngine:
             )
         if resume is not None and len(resume) != params.n:
             raise ValueError(f"resume needs one entry per choice ({params.n})")
+        if resume is not None:
+            # Resumed tokens come from a response stream anyone can write to: an id outside
+            # the vocabulary would fail the whole batch's step, not just this request.
+            vocab_size = self.engine_core.model_runner.vocab_size
+            if any(not 0 <= t < vocab_size for emitted in resume if emitted for t in emitted):
+                raise ValueError(f"resumed token ids must be in [0, {vocab_size})")
         children = {}
         for index in range(params.n):
             emitted = [] if resume is None else resume[index]

@@ -50,7 +50,10 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):  # keys or values from the wire, of any type
+                raise ValueError("logit_bias must map token ids to numbers") from None
         self._validate()
         if self.temperature < 1e-5:
             # Greedy: sampling knobs are meaningless, normalise them so batches can skip them.

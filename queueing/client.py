@@ -40,7 +40,10 @@ CONTROL_MAXLEN = 10_000  # aborts are broadcast; old ones are of no use to anyon
 WAKE_MAXLEN = 16
 WAKE_TTL_S = 3600
 _READ_COUNT = 256  # entries per stream per XREAD
-_RECONNECT_DELAY_S = 0.5
+_RECONNECT_DELAY_S = 0.1  # first wait after a failed XREAD; doubles up to the cap
+_RECONNECT_DELAY_MAX_S = 2.0
+_MARKER_CHECK_S = 1.0  # how often the reader checks that Redis still holds its marker
+_MARKER_TTL_S = 86_400
 _BACKLOG_COUNT_CAP = 10_000
 
 StreamId = tuple[int, int]
@@ -56,6 +59,11 @@ class SeqGapError(StreamError):
 
 class StreamTimeout(StreamError):
     """No chunk arrived within the timeout."""
+
+
+class RedisDataLost(StreamError):
+    """Redis came back without its data (restarted without persistence): the request and its
+    response stream are gone, so waiting longer would only end in a timeout."""
 
 
 class SeqTracker:
@@ -123,7 +131,12 @@ class ResponseReader:
         self._command_redis = command_redis
         self._block_ms = block_ms
         self._subs: dict[str, list[Subscription]] = {}
-        self.wake_key = keys.wake(uuid.uuid4().hex)
+        reader_id = uuid.uuid4().hex
+        self.wake_key = keys.wake(reader_id)
+        # A key only this reader writes: finding it missing means Redis lost its data.
+        self.marker_key = keys.reader(reader_id)
+        self._marker_written = False
+        self._next_marker_check = 0.0
         self._wake_id: StreamId = (0, 0)
         # A wake entry was sent since the reader last chose its streams: later subscribers
         # are picked up by that same wake-up, so a burst of subscribes sends one entry.
@@ -155,10 +168,16 @@ class ResponseReader:
         if self._wake_sent:
             return sub
         self._wake_sent = True
-        async with self._command_redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(self.wake_key, {"k": key}, maxlen=WAKE_MAXLEN, approximate=True)
-            pipe.expire(self.wake_key, WAKE_TTL_S)
-            await pipe.execute()
+        try:
+            async with self._command_redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(self.wake_key, {"k": key}, maxlen=WAKE_MAXLEN, approximate=True)
+                pipe.expire(self.wake_key, WAKE_TTL_S)
+                await pipe.execute()
+        except BaseException:
+            # The caller never gets `sub` to unsubscribe: drop it here, or it leaks.
+            self._wake_sent = False
+            self.unsubscribe(sub)
+            raise
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
@@ -179,24 +198,45 @@ class ResponseReader:
         return streams
 
     async def _run(self) -> None:
+        delay = _RECONNECT_DELAY_S
         while True:
             read_from = self._streams_to_read()
             try:
+                if time.monotonic() >= self._next_marker_check:
+                    await self._check_marker()
                 reply = await self._redis.xread(
                     {key: _format_id(start) for key, start in read_from.items()},
                     count=_READ_COUNT,
                     block=self._block_ms,
                 )
             except redis.RedisError as e:  # connection loss, or a foreign key of the wrong type
-                logger.warning("response reader: XREAD failed (%s); retrying", e)
-                await asyncio.sleep(_RECONNECT_DELAY_S)
+                logger.warning("response reader: XREAD failed (%s); retrying in %g s", e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _RECONNECT_DELAY_MAX_S)
+                self._next_marker_check = 0.0  # first thing once Redis answers again
                 continue
+            delay = _RECONNECT_DELAY_S
             for raw_key, entries in reply or []:
                 key = raw_key.decode()
                 if key == self.wake_key:
                     self._wake_id = _parse_id(entries[-1][0])
                 else:
                     self._dispatch(key, read_from[key], entries)
+
+    async def _check_marker(self) -> None:
+        """Write the reader's marker; if an earlier write of it is gone, Redis restarted
+        empty, so every awaited stream fails now with `RedisDataLost` instead of waiting
+        for a chunk that will never come. Checked every `_MARKER_CHECK_S` and after errors
+        (redis-py may reconnect inside a command without raising)."""
+        old = await self._command_redis.set(self.marker_key, b"1", ex=_MARKER_TTL_S, get=True)
+        if old is None and self._marker_written:
+            logger.error("Redis lost its data; failing %d awaited streams", self.num_subscriptions)
+            error = RedisDataLost("Redis restarted without its data: the request was lost")
+            for subs in self._subs.values():
+                for sub in subs:
+                    sub.queue.put_nowait(error)
+        self._marker_written = True
+        self._next_marker_check = time.monotonic() + _MARKER_CHECK_S
 
     def _dispatch(
         self, key: str, read_from: StreamId, entries: list[tuple[bytes, dict[bytes, bytes]]]

@@ -9,6 +9,7 @@ Keys (see `keys` below):
     kvrail:worker:{name}       heartbeat of one worker (msgpack WorkerInfo, short TTL)
     kvrail:wake:{reader}       an API process's response reader: wakes its blocked XREAD
     kvrail:sse:{request_id}    JSON shape of an SSE response, so /v1/streams/{id} can resume it
+    kvrail:reader:{reader}     marker of a response reader: gone after Redis lost its data
 
 Each stream entry has one field, `data`, holding the msgpack map. Decoding is strict: an
 unknown version, a missing or mistyped field, an unknown field or an oversize value raises
@@ -56,6 +57,10 @@ class keys:  # a namespace of key builders, lower-case like a module
     @staticmethod
     def sse(request_id: str) -> str:
         return f"kvrail:sse:{request_id}"
+
+    @staticmethod
+    def reader(reader_id: str) -> str:
+        return f"kvrail:reader:{reader_id}"
 
 
 class SchemaError(ValueError):

@@ -23,16 +23,17 @@ from typing import Any
 
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine import envs, loader
 from engine.loader import resolve_model
-from queueing.client import KvrailClient, StreamError, StreamTimeout
+from queueing.client import KvrailClient, RedisDataLost, StreamError, StreamTimeout
 from queueing.schema import GenerateRequest, SchemaError, TokenChunk, WorkerInfo, keys
 from service import metrics
 from service.openai_protocol import (
@@ -253,18 +254,25 @@ async def _answer_whole(
         if not collect.done():
             collect.cancel()
     if not collect.done() or collect.cancelled():
-        await state.client.abort(parsed.request_id)
+        await _abort(state, parsed.request_id)
         return Response(status_code=_STATUS_CLIENT_GONE)
     try:
         chunks = collect.result()
     except StreamError as e:
-        await state.client.abort(parsed.request_id)
+        await _abort(state, parsed.request_id)
         raise _stream_failure(e) from None
     last = chunks[-1]
     if last.error is not None:
         raise ApiError(500, last.error, type="server_error", code="worker_error")
     body = build_response(parsed, state.model_name, chunks, prompt_tokens, state.token_str)
     return JSONResponse(body)
+
+
+async def _abort(state: ApiState, request_id: str) -> None:
+    """Abort a request, best effort: with Redis down the abort cannot be sent, and raising
+    here would replace the answer the client is owed (the error) with a broken response."""
+    with contextlib.suppress(RedisError):
+        await state.client.abort(request_id)
 
 
 async def _collect(chunks: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
@@ -279,6 +287,8 @@ async def _wait_for_disconnect(receive: Receive) -> None:
 def _stream_failure(error: StreamError) -> ApiError:
     if isinstance(error, StreamTimeout):
         return ApiError(504, str(error), type="timeout_error", code="worker_timeout")
+    if isinstance(error, RedisDataLost):
+        return _redis_unavailable(str(error))
     return ApiError(500, str(error), type="server_error", code="stream_error")
 
 
@@ -340,14 +350,14 @@ def _event_stream(state: ApiState, shape: StreamShape, after_seq: int) -> EventS
                 for event in shaper.for_chunk(chunk):
                     yield event
         except StreamError as e:
-            await state.client.abort(shape.request_id)
+            await _abort(state, shape.request_id)
             yield StreamEvents.error(_stream_failure(e))
         finished = True
         yield StreamEvents.done()
 
     async def abort_unless_finished() -> None:
         if not finished:
-            await state.client.abort(shape.request_id)
+            await _abort(state, shape.request_id)
 
     return EventStreamResponse(events(), abort_unless_finished)
 
@@ -409,13 +419,7 @@ async def health(request: Request) -> Response:
         await state.client.redis.ping()
         live = await state.client.workers()
     except Exception as e:  # any Redis failure means unhealthy, whatever its type
-        raise ApiError(
-            503,
-            f"Redis is unreachable: {e}",
-            type="service_unavailable_error",
-            code="redis_unavailable",
-            headers={"Retry-After": str(RETRY_AFTER_NO_WORKER_S)},
-        ) from None
+        raise _redis_unavailable(f"Redis is unreachable: {e}") from None
     if not live:
         await state.serving_max_model_len()  # raises the 503
     return JSONResponse({"status": "ok", "workers": len(live)})
@@ -499,6 +503,28 @@ async def _http_error(request: Request, exc: Exception) -> Response:
         headers=dict(exc.headers or {}),
     )
     return await _api_error(request, error)
+
+
+def _redis_unavailable(message: str) -> ApiError:
+    return ApiError(
+        503,
+        message,
+        type="service_unavailable_error",
+        code="redis_unavailable",
+        headers={"Retry-After": str(RETRY_AFTER_NO_WORKER_S)},
+    )
+
+
+async def _redis_error(request: Request, exc: Exception) -> Response:
+    """Redis down (or restarting) is the service being unavailable, not a server bug: 503
+    with Retry-After, so clients back off and retry."""
+    logger.warning("redis error on %s %s: %s", request.method, request.url.path, exc)
+    return await _api_error(request, _redis_unavailable(f"Redis is unavailable: {exc}"))
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client left while its body was read: nobody to answer, nothing to log as a fault."""
+    return Response(status_code=_STATUS_CLIENT_GONE)
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
@@ -620,6 +646,8 @@ def create_app(
         exception_handlers={
             ApiError: _api_error,
             HTTPException: _http_error,
+            RedisError: _redis_error,
+            ClientDisconnect: _client_gone,
             Exception: _server_error,
         },
     )

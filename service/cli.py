@@ -19,6 +19,7 @@ ENGINE_OPTIONS = {
     "device": str,
     "dtype": str,
     "max_num_seqs": int,
+    "max_waiting_requests": int,
     "max_num_batched_tokens": int,
     "max_model_len": int,
     "num_kv_blocks": int,

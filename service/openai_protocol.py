@@ -172,7 +172,9 @@ def _parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
     stream = get_field(body, "stream", (bool,), False)
     options = get_field(body, "stream_options", (dict,))
     if options is not None and not stream:
-        raise ApiError(400, "'stream_options' is only allowed with stream=true", "stream_options")
+        raise ApiError(
+            400, "'stream_options' is only allowed with stream=true", param="stream_options"
+        )
     include_usage = get_field(options or {}, "include_usage", (bool,), False)
     return stream, include_usage
 
@@ -232,7 +234,9 @@ def parse_chat(body: dict[str, Any], served_model: str, vocab_size: int) -> Pars
     _reject_unsupported(body, ("tools", "functions", "audio"))
     response_format = get_field(body, "response_format", (dict,))
     if response_format is not None and response_format.get("type") != "text":
-        raise ApiError(400, "only response_format type 'text' is supported", "response_format")
+        raise ApiError(
+            400, "only response_format type 'text' is supported", param="response_format"
+        )
     messages = parse_messages(body.get("messages", _MISSING))
     max_tokens = get_field(body, "max_completion_tokens", (int,))
     if max_tokens is None:
@@ -244,7 +248,9 @@ def parse_chat(body: dict[str, Any], served_model: str, vocab_size: int) -> Pars
         if not want_logprobs:
             raise ApiError(400, "'top_logprobs' needs logprobs=true", param="top_logprobs")
         if not 0 <= top_logprobs <= MAX_LOGPROBS:
-            raise ApiError(400, f"'top_logprobs' must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+            raise ApiError(
+                400, f"'top_logprobs' must be in [0, {MAX_LOGPROBS}]", param="top_logprobs"
+            )
     if want_logprobs:
         sampling["logprobs"] = top_logprobs or 0
     stream, include_usage = _parse_stream(body)

@@ -287,10 +287,24 @@ def _json(schema_name: str, description: str) -> dict[str, Any]:
     }
 
 
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {
+        "data": {"type": "string"},
+        "id": {"type": "string"},
+        "event": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+    "required": ["data"],
+}
+
+
 def _sse(description: str) -> dict[str, Any]:
     return {
         "description": description,
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        # The schema of one event (as OpenAPI 3.2's `itemSchema`, and as schemathesis checks
+        # each event): `data` is a JSON chunk or [DONE], `id` the chunk's seq.
+        "content": {"text/event-stream": {"schema": _SSE_EVENT}},
     }
 
 

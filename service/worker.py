@@ -56,6 +56,8 @@ from service.engine_thread import (
 log = structlog.get_logger("kvrail.worker")
 
 HEARTBEAT_TTL_S = 5
+RETRY_MIN_S = 0.05  # backoff between attempts while Redis is unreachable
+RETRY_MAX_S = 2.0
 
 
 @dataclass
@@ -198,15 +200,21 @@ class Worker:
         log.info("worker stopped", worker=self.name, left_pending=left)
 
     async def _supervise(self, name: str, loop_fn) -> None:
-        """Run one of the worker's loops; a Redis hiccup restarts it instead of ending it."""
+        """Run one of the worker's loops; a Redis hiccup restarts it (with backoff) instead of
+        ending it."""
+        delay = RETRY_MIN_S
         while not self._stopping.is_set():
+            started = time.monotonic()
             try:
                 await loop_fn()
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("worker task failed, restarting", task=name)
-                await asyncio.sleep(1.0)
+                if time.monotonic() - started > RETRY_MAX_S:
+                    delay = RETRY_MIN_S  # it had recovered: a new outage starts short again
+                log.exception("worker task failed, restarting", task=name, delay_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
 
     def stats(self) -> WorkerStats:
         s = self.engine_thread.stats
@@ -268,7 +276,8 @@ class Worker:
             await self.consumer.ack(entry_id)
             return
         key = request.response_key
-        chunks = await streams.read_response(self.r, key)
+        # A write retried after a lost reply can store a chunk twice: one per seq counts.
+        chunks = list({c.seq: c for c in await streams.read_response(self.r, key)}.values())
         if any(c.is_last for c in chunks):
             rlog.info("already answered in full")
             self._batches.put_nowait(Batch(acks=[entry_id], done=[rid]))
@@ -503,20 +512,43 @@ class Worker:
             try:
                 await self._flush(merged)
             except Exception:
-                # Not acked: the entries stay pending and are resumed by whoever claims them.
+                # Not a Redis error (those are retried): not acked, so the entries stay
+                # pending and are resumed by whoever claims them; keep publishing the rest.
                 log.exception("publishing failed", entries=merged.acks)
             if stop:
                 return
 
     async def _flush(self, batch: Batch) -> None:
-        await self.publisher.publish(batch.chunks)
-        for entry_id, data, reason in batch.dead:
-            await self.consumer.dead_letter(entry_id, data, reason)
+        """Store chunks, then dead letters, acks and done marks, each step retried alone so
+        a Redis outage neither drops chunks (a gap for the reader) nor writes them twice.
+        A step given up (while stopping) skips the rest: nothing is acked unless stored."""
+        steps = [("publish", lambda: self.publisher.publish(batch.chunks))]
+        steps += [("dead-letter", lambda d=d: self.consumer.dead_letter(*d)) for d in batch.dead]
         if batch.acks:
-            # Only now, with the final chunks stored, may the request entries be acked.
-            await self.consumer.ack(*batch.acks)
+            steps.append(("ack", lambda: self.consumer.ack(*batch.acks)))
         if batch.done:
-            await streams.mark_done(self.r, batch.done, self.response_ttl_s)
+            steps.append(
+                ("mark-done", lambda: streams.mark_done(self.r, batch.done, self.response_ttl_s))
+            )
+        for what, write in steps:
+            if not await self._retry(what, write):
+                return
+
+    async def _retry(self, what: str, write) -> bool:
+        """Run `write()` until it succeeds, backing off on Redis errors. Once the worker is
+        stopping it gives up after one failure (returns False): its entries stay pending and
+        whoever claims them resumes from the chunks that were stored."""
+        delay = RETRY_MIN_S
+        while True:
+            try:
+                await write()
+                return True
+            except RedisError:
+                log.warning("redis write failed, retrying", step=what, delay_s=delay)
+                if self._stopping.is_set():
+                    return False
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
 
 
 def _entry_time(entry_id: str) -> float:

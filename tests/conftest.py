@@ -4,9 +4,9 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from queueing.redis_server import EmbeddedRedis  # noqa: E402
+from queueing.redis_server import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,381 @@
+"""Serving benchmark, in the manner of `vllm bench serve`, over HTTP/SSE or raw Redis Streams.
+
+Requests arrive as a gamma process (`--burstiness` 1 = Poisson) at `--request-rate`
+(inf = all at once), at most `--max-concurrency` in flight, each asking for exactly its
+`output_len` tokens (greedy, EOS ignored). Reports request and token throughput, TTFT,
+TPOT, ITL and end-to-end latency (mean, median, p99) and failed requests.
+
+`--launch` starts `kvrail serve` (with its own Redis) and stops it afterwards; otherwise
+the script targets `--base-url` (http) or `--redis-url` (redis). `--offline-baseline`
+then runs the same workload at the same arrivals and concurrency through the offline
+`LLMEngine` in this process, and probes idle TTFT on both sides, so the service's
+overhead shows as ratios from one run.
+
+    python -m benchmarks.serve --launch --backend http --request-rate 4 --offline-baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import httpx
+from tqdm.auto import tqdm
+
+from benchmarks.common import (
+    BenchRequest,
+    RequestTiming,
+    arrival_offsets,
+    corpus_token_ids,
+    fmt,
+    latency_rows,
+    make_workload,
+    markdown_table,
+    parse_range,
+    run_timed_offline,
+    summarize_timings,
+    verdict,
+    warm_up,
+    write_results,
+)
+
+ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_num_batched_tokens")
+THROUGHPUT_TARGET = 0.90  # service output tokens/s over offline
+IDLE_TTFT_TARGET_MS = 15.0  # service idle TTFT minus offline
+SERVER_START_TIMEOUT_S = 300.0
+
+Sender = Callable[[BenchRequest], Awaitable[RequestTiming]]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--backend", choices=("http", "redis"), default="http")
+    add("--base-url", default="http://127.0.0.1:8000")
+    add("--redis-url", default=os.environ.get("REDIS_URL"))
+    add("--launch", action="store_true", help="start `kvrail serve` with its own Redis")
+    add("--model", default=None, help="for the tokenizer, --launch and the baseline")
+    add("--dtype", default=None, help="engine dtype for --launch and the baseline")
+    add("--max-num-seqs", type=int, default=None)
+    add("--max-num-batched-tokens", type=int, default=None)
+    add("--num-requests", type=int, default=64)
+    add("--input-len", type=parse_range, default=(64, 512), help="LOW:HIGH prompt tokens")
+    add("--output-len", type=parse_range, default=(64, 256), help="LOW:HIGH output tokens")
+    add("--seed", type=int, default=0)
+    add("--request-rate", type=float, default=math.inf, help="requests/s; inf = all at once")
+    add("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    add("--max-concurrency", type=int, default=None)
+    add("--offline-baseline", action="store_true", help="also run the offline engine")
+    add("--idle-probes", type=int, default=5, help="one-at-a-time requests for idle TTFT")
+    add("--name", default=None, help="results/<name>.json and .md (default serve-<backend>)")
+    args = parser.parse_args(argv)
+    args.name = args.name or f"serve-{args.backend}"
+    if args.backend == "redis" and not (args.launch or args.redis_url):
+        parser.error("--backend redis needs --redis-url (or REDIS_URL) or --launch")
+    return args
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine settings given on the command line: the server and the baseline share them."""
+    return {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k) is not None}
+
+
+@contextlib.contextmanager
+def launched_server(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """`kvrail serve` on a free port with a private Redis; yields (base_url, redis_url)."""
+    from queueing.redis_server import EmbeddedRedis, free_port
+
+    redis = EmbeddedRedis().start()
+    port = free_port()
+    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port)]
+    if args.model:
+        command += ["--model", args.model]
+    for name, value in engine_options(args).items():
+        command += ["--" + name.replace("_", "-"), str(value)]
+    env = {**os.environ, "REDIS_URL": redis.url, "KVRAIL_LOG_LEVEL": "WARNING"}
+    base_url = f"http://127.0.0.1:{port}"
+    # The server's access log would bury the progress bars: it goes to a file, kept for
+    # diagnosis.
+    with tempfile.NamedTemporaryFile("w", prefix="kvrail-serve-", delete=False) as log:
+        server = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            wait_healthy(base_url, server, log.name)
+            yield base_url, redis.url
+        finally:
+            os.killpg(server.pid, signal.SIGINT)  # the server's own process group only
+            server.wait(60)
+            redis.cleanup()
+
+
+def wait_healthy(base_url: str, server: subprocess.Popen, log_path: str) -> None:
+    """Poll /health until the worker is up; raise if the server dies or never answers."""
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"kvrail serve exited ({server.returncode}); see {log_path}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"kvrail serve did not become healthy in {SERVER_START_TIMEOUT_S:.0f} s")
+
+
+def completion_body(model_name: str, request: BenchRequest) -> dict[str, Any]:
+    return {
+        "model": model_name,
+        "prompt": request.prompt_token_ids,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def send_http(
+    client: httpx.AsyncClient, model_name: str, request: BenchRequest
+) -> RequestTiming:
+    """POST /v1/completions with stream=true; a chunk's time is when its SSE event arrived."""
+    timing = RequestTiming(start=time.perf_counter(), prompt_len=request.prompt_len)
+    body = completion_body(model_name, request)
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                timing.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return timing
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                if event.get("error"):  # a failure after the 200 arrives as an event
+                    timing.error = str(event["error"])
+                    break
+                if event.get("choices"):
+                    timing.chunk_times.append(time.perf_counter())
+                    timing.output_tokens += 1
+                if event.get("usage"):  # the exact count, when the server sends it
+                    timing.output_tokens = event["usage"]["completion_tokens"]
+    except httpx.HTTPError as e:
+        timing.error = f"{type(e).__name__}: {e}"
+    return timing
+
+
+async def send_redis(client: Any, request: BenchRequest) -> RequestTiming:
+    """XADD a GenerateRequest and read its TokenChunks through the producer client."""
+    from queueing.schema import GenerateRequest
+
+    request_id = f"{request.request_id}-{uuid.uuid4().hex[:8]}"
+    sampling = {"max_tokens": request.output_len, "temperature": 0.0, "ignore_eos": True}
+    message = GenerateRequest(
+        request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling
+    )
+    timing = RequestTiming(start=time.perf_counter(), prompt_len=request.prompt_len)
+    try:
+        await client.submit(message)
+        async for chunk in client.stream(request_id):
+            if chunk.error:
+                timing.error = chunk.error
+                break
+            if chunk.token_ids:
+                timing.chunk_times.append(time.perf_counter())
+                timing.output_tokens += len(chunk.token_ids)
+    except Exception as e:  # a failed request is counted, not fatal to the benchmark
+        timing.error = f"{type(e).__name__}: {e}"
+    return timing
+
+
+async def run_load(
+    send: Sender, workload: list[BenchRequest], offsets: list[float], max_concurrency: int | None
+) -> tuple[list[RequestTiming], float]:
+    """Send each request at its arrival offset, at most `max_concurrency` at once."""
+    limit = asyncio.Semaphore(max_concurrency or len(workload))
+    bar = tqdm(total=len(workload), desc="requests")
+    t0 = time.perf_counter()
+
+    async def one(request: BenchRequest, offset: float) -> RequestTiming:
+        await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
+        async with limit:
+            timing = await send(request)
+        bar.update(1)
+        return timing
+
+    timings = await asyncio.gather(*(one(r, o) for r, o in zip(workload, offsets, strict=True)))
+    duration = time.perf_counter() - t0
+    bar.close()
+    return list(timings), duration
+
+
+async def run_probes(send: Sender, probes: list[BenchRequest]) -> list[RequestTiming]:
+    """One request at a time on an idle server; the first only warms up and is dropped."""
+    return [await send(probe) for probe in probes][1:]
+
+
+async def measure_service(
+    args: argparse.Namespace,
+    base_url: str,
+    redis_url: str | None,
+    workload: list[BenchRequest],
+    probes: list[BenchRequest],
+) -> dict[str, Any]:
+    """Idle probes, then the load, through the chosen backend."""
+    offsets = arrival_offsets(len(workload), args.request_rate, args.burstiness, args.seed)
+    if args.backend == "http":
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
+            model_name = (await client.get("/v1/models")).json()["data"][0]["id"]
+            return await _measure(
+                lambda r: send_http(client, model_name, r), args, workload, offsets, probes
+            )
+    from queueing.client import KvrailClient
+
+    async with KvrailClient(redis_url) as client:
+        return await _measure(lambda r: send_redis(client, r), args, workload, offsets, probes)
+
+
+async def _measure(
+    send: Sender,
+    args: argparse.Namespace,
+    workload: list[BenchRequest],
+    offsets: list[float],
+    probes: list[BenchRequest],
+) -> dict[str, Any]:
+    """Idle TTFT from the probes, then the load; the first few distinct errors are kept."""
+    idle = await run_probes(send, probes)
+    timings, duration = await run_load(send, workload, offsets, args.max_concurrency)
+    errors = sorted({t.error for t in timings if t.error})[:5]
+    return {
+        "idle": summarize_timings(idle, 1.0)["ttft"],
+        "load": summarize_timings(timings, duration),
+        "errors": errors,
+    }
+
+
+def measure_offline(
+    args: argparse.Namespace, workload: list[BenchRequest], probes: list[BenchRequest]
+) -> dict[str, Any]:
+    """The same probes and load through the offline `LLMEngine`, driven by arrival times."""
+    from engine import LLMEngine
+
+    engine = LLMEngine.from_kwargs(model=args.model, **engine_options(args))
+    warm_up(engine)
+    idle = [run_timed_offline(engine, [probe], [0.0])[0][0] for probe in probes][1:]
+    offsets = arrival_offsets(len(workload), args.request_rate, args.burstiness, args.seed)
+    with tqdm(total=len(workload), desc="offline baseline") as bar:
+        timings, duration = run_timed_offline(
+            engine, workload, offsets, args.max_concurrency, progress=bar
+        )
+    return {
+        "idle": summarize_timings(idle, 1.0)["ttft"],
+        "load": summarize_timings(timings, duration),
+    }
+
+
+def comparison_rows(service: dict[str, Any], offline: dict[str, Any]) -> list[list[str]]:
+    """Service against offline: the throughput ratio and the idle TTFT difference."""
+    ratio = service["load"]["output_throughput"] / offline["load"]["output_throughput"]
+    ttft_gap = service["idle"]["median_ms"] - offline["idle"]["median_ms"]
+    return [
+        [
+            "output tok/s",
+            fmt(service["load"]["output_throughput"]),
+            fmt(offline["load"]["output_throughput"]),
+            f"{ratio:.1%}",
+            f">= {THROUGHPUT_TARGET:.0%}",
+            verdict(ratio, THROUGHPUT_TARGET),
+        ],
+        [
+            "idle TTFT median (ms)",
+            fmt(service["idle"]["median_ms"]),
+            fmt(offline["idle"]["median_ms"]),
+            f"{ttft_gap:+.1f} ms",
+            f"<= +{IDLE_TTFT_TARGET_MS:g} ms",
+            verdict(ttft_gap, IDLE_TTFT_TARGET_MS, False),
+        ],
+    ]
+
+
+def report(
+    args: argparse.Namespace, service: dict[str, Any], offline: dict[str, Any] | None
+) -> str:
+    load = service["load"]
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}/s"
+    lines = [
+        f"# Serving ({args.backend})",
+        "",
+        f"{args.num_requests} requests, inputs {args.input_len[0]}-{args.input_len[1]}, outputs"
+        f" {args.output_len[0]}-{args.output_len[1]} tokens, seed {args.seed}; request rate"
+        f" {rate}, burstiness {args.burstiness:g}, max concurrency {args.max_concurrency or '-'};"
+        f" engine options {engine_options(args) or 'defaults'}.",
+        "",
+        markdown_table(
+            ["", "value"],
+            [
+                ["completed / failed", f"{load['completed']} / {load['failed']}"],
+                ["duration (s)", fmt(load["duration_s"], 2)],
+                ["request throughput (req/s)", fmt(load["request_throughput"], 2)],
+                ["output tok/s", fmt(load["output_throughput"])],
+                ["total tok/s", fmt(load["total_token_throughput"])],
+            ],
+        ),
+        "",
+        markdown_table(["service latency", "mean", "median", "p99"], latency_rows(load)),
+    ]
+    if service["errors"]:
+        lines += ["", "Errors: " + "; ".join(service["errors"])]
+    if offline is not None:
+        lines += [
+            "",
+            "## Against the offline engine (same workload, arrivals and concurrency)",
+            "",
+            markdown_table(
+                ["", "service", "offline", "service vs offline", "target", "verdict"],
+                comparison_rows(service, offline),
+            ),
+            "",
+            markdown_table(
+                ["offline latency", "mean", "median", "p99"], latency_rows(offline["load"])
+            ),
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from engine.loader import load_tokenizer, resolve_model
+
+    tokens = corpus_token_ids(load_tokenizer(resolve_model(args.model)))
+    workload = make_workload(tokens, args.num_requests, args.input_len, args.output_len, args.seed)
+    # Probes use other prompts than the load, so neither side gets prefix-cache hits from them.
+    probes = make_workload(tokens, args.idle_probes + 1, args.input_len, (8, 8), args.seed + 1000)
+    if args.launch:
+        with launched_server(args) as (base_url, redis_url):
+            service = asyncio.run(measure_service(args, base_url, redis_url, workload, probes))
+    else:
+        service = asyncio.run(
+            measure_service(args, args.base_url, args.redis_url, workload, probes)
+        )
+    # After the server stopped (with --launch): the baseline does not share the CPU with it.
+    offline = measure_offline(args, workload, probes) if args.offline_baseline else None
+    payload = {"args": vars(args), "service": service, "offline": offline}
+    write_results(args.name, payload, report(args, service, offline))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,255 @@
+"""Offline throughput: kvrail against HF transformers and llama.cpp on one seeded workload.
+
+In the manner of vLLM's `benchmark_throughput` and nano-vllm's bench: N requests whose
+input and output lengths are drawn uniformly from ranges, prompts cut from real English
+text, exactly `output_len` tokens each (EOS ignored, greedy). kvrail runs all N; the slow
+peers run a seeded subset of the same requests and are compared per output token. The
+machine's bf16 matmul rate on the model's shapes, measured in the same run, gives the
+compute limit in tokens/s.
+
+    python -m benchmarks.throughput --num-requests 128 --input-len 64:512 --output-len 64:256
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    BenchRequest,
+    corpus_token_ids,
+    fmt,
+    greedy_params,
+    make_workload,
+    markdown_table,
+    measure_matmul_flops,
+    model_flops_per_token,
+    parse_range,
+    seeded_subset,
+    verdict,
+    write_results,
+)
+from benchmarks.peers import LLAMA_CPP_INSTALL, HFRunner, llama_cpp_available, run_llama_cpp
+
+PEERS = ("hf-serial", "hf-static", "llama-cpp")
+# Targets: kvrail's output tokens/s over each peer's, and its share of the compute limit.
+TARGETS = {"hf-serial": 50.0, "hf-static": 6.0, "llama-cpp": 15.0, "compute": 0.40}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    add("--num-requests", type=int, default=128)
+    add("--input-len", type=parse_range, default=(64, 512), help="LOW:HIGH prompt tokens")
+    add("--output-len", type=parse_range, default=(64, 256), help="LOW:HIGH output tokens")
+    add("--seed", type=int, default=0)
+    add("--dtype", default="bfloat16", help="kvrail's dtype (float32, bfloat16, auto)")
+    add("--max-num-seqs", type=int, default=128)
+    add("--max-num-batched-tokens", type=int, default=2048)
+    add("--peers", default=",".join(PEERS), help=f"comma list of {PEERS}, or 'none'")
+    add("--serial-requests", type=int, default=8, help="subset size for one-at-a-time peers")
+    add("--static-requests", type=int, default=32, help="subset size for HF static batching")
+    add("--hf-batch-size", type=int, default=16)
+    add("--hf-dtype", default="auto", help="auto = each HF peer at its faster of fp32/bf16")
+    add("--matmul-tokens", type=int, default=256, help="rows of the compute-limit matmuls")
+    add("--name", default="throughput", help="results/<name>.json and .md")
+    args = parser.parse_args(argv)
+    args.peers = [] if args.peers == "none" else args.peers.split(",")
+    unknown = set(args.peers) - set(PEERS)
+    if unknown:
+        parser.error(f"unknown peers {sorted(unknown)}; choose from {PEERS}")
+    return args
+
+
+def rates(requests: list[BenchRequest], seconds: float) -> dict[str, Any]:
+    """Output and total tokens/s of `requests` finished in `seconds`."""
+    output_tokens = sum(r.output_len for r in requests)
+    total_tokens = output_tokens + sum(r.prompt_len for r in requests)
+    return {
+        "requests": len(requests),
+        "seconds": seconds,
+        "output_tokens_per_s": output_tokens / seconds,
+        "total_tokens_per_s": total_tokens / seconds,
+    }
+
+
+def run_kvrail(args: argparse.Namespace, workload: list[BenchRequest]) -> dict[str, Any]:
+    from engine import LLM
+
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    # Warm-up on reversed prompts: no prefix-cache hits on the measured ones.
+    warmup = [list(reversed(r.prompt_token_ids)) for r in workload[:4]]
+    llm.generate(warmup, greedy_params(8))
+    prompts = [r.prompt_token_ids for r in workload]
+    params = [greedy_params(r.output_len) for r in workload]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    seconds = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    expected = sum(r.output_len for r in workload)
+    if produced != expected:
+        raise RuntimeError(f"kvrail produced {produced} output tokens, expected {expected}")
+    stats = llm.llm_engine.get_stats()
+    result = {**rates(workload, seconds), "dtype": args.dtype}
+    result["num_preemptions"] = stats.num_preemptions
+    return result  # the engine is freed here, before the peers load their models
+
+
+def run_hf_peers(
+    args: argparse.Namespace, model_dir: Path, workload: list[BenchRequest], pad_id: int
+) -> dict[str, dict[str, Any]]:
+    """HF one request at a time and in static batches, each at its faster dtype."""
+    hf = HFRunner(model_dir, pad_id)
+    dtypes = ("float32", "bfloat16") if args.hf_dtype == "auto" else (args.hf_dtype,)
+    results = {}
+    if "hf-serial" in args.peers:
+        requests = seeded_subset(workload, args.serial_requests, args.seed)
+        dtype = hf.choose_dtype(dtypes, [shortened(r, 16) for r in requests[:2]], None)
+        seconds = hf.run_serial(dtype, requests, desc=f"hf serial ({dtype})")
+        results["hf-serial"] = {**rates(requests, seconds), "dtype": dtype}
+    if "hf-static" in args.peers:
+        requests = seeded_subset(workload, args.static_requests, args.seed)
+        probe = [shortened(r, 8) for r in requests[: args.hf_batch_size]]
+        dtype = hf.choose_dtype(dtypes, probe, args.hf_batch_size)
+        seconds = hf.run_static(dtype, requests, args.hf_batch_size, desc=f"hf static ({dtype})")
+        results["hf-static"] = {**rates(requests, seconds), "dtype": dtype}
+    return results
+
+
+def shortened(request: BenchRequest, output_len: int) -> BenchRequest:
+    """The same prompt with a short output: a cheap probe of decode and prefill speed."""
+    return BenchRequest(request.request_id, request.prompt_token_ids, output_len)
+
+
+def run_llama_peer(
+    args: argparse.Namespace, workload: list[BenchRequest]
+) -> tuple[dict[str, Any] | None, str | None]:
+    """llama.cpp's result, or None and the reason it was skipped."""
+    if not llama_cpp_available():
+        return None, f"llama-cpp-python is not installed; install: {LLAMA_CPP_INSTALL}"
+    if args.model is not None and not str(args.model).endswith(".gguf"):
+        return None, "llama.cpp needs a .gguf model; --model is an HF folder"
+    from engine.loader import _default_gguf
+
+    gguf = Path(args.model) if args.model else _default_gguf()
+    requests = seeded_subset(workload, args.serial_requests, args.seed)
+    n_ctx = max(r.prompt_len + r.output_len for r in workload) + 16
+    seconds = run_llama_cpp(gguf, requests, n_ctx)
+    return {**rates(requests, seconds), "dtype": "gguf (Q4_1)"}, None
+
+
+def report(
+    args: argparse.Namespace,
+    results: dict[str, dict[str, Any]],
+    compute: dict[str, float],
+    notes: list[str],
+) -> str:
+    """The markdown: per system rates and kvrail's ratio to it against the target."""
+    kvrail = results["kvrail"]
+    rows = []
+    for name, r in results.items():
+        ratio = kvrail["output_tokens_per_s"] / r["output_tokens_per_s"]
+        target = TARGETS.get(name)
+        rows.append(
+            [
+                name,
+                r["dtype"],
+                r["requests"],
+                fmt(r["seconds"]),
+                fmt(r["output_tokens_per_s"]),
+                fmt(r["total_tokens_per_s"]),
+                "-" if name == "kvrail" else f"{ratio:.2f}x",
+                f">= {target:g}x" if target else "-",
+                verdict(ratio, target) if target else "-",
+            ]
+        )
+    share = kvrail["total_tokens_per_s"] / compute["limit_tokens_per_s"]
+    rows.append(
+        [
+            "compute limit",
+            "bfloat16",
+            "-",
+            "-",
+            "-",
+            fmt(compute["limit_tokens_per_s"]),
+            f"{share:.1%} used",
+            f">= {TARGETS['compute']:.0%}",
+            verdict(share, TARGETS["compute"]),
+        ]
+    )
+    headers = [
+        "system",
+        "dtype",
+        "requests",
+        "s",
+        "output tok/s",
+        "total tok/s",
+        "kvrail / system",
+        "target",
+        "verdict",
+    ]
+    lines = [
+        "# Offline throughput",
+        "",
+        f"Workload: {args.num_requests} requests, inputs {args.input_len[0]}-{args.input_len[1]},"
+        f" outputs {args.output_len[0]}-{args.output_len[1]} tokens, seed {args.seed}, greedy,"
+        f" EOS ignored. kvrail: max_num_seqs {args.max_num_seqs}, max_num_batched_tokens"
+        f" {args.max_num_batched_tokens}, {kvrail['num_preemptions']} preemptions.",
+        f"Compute limit: bf16 matmuls on the model's shapes at M={args.matmul_tokens} rows ran at"
+        f" {compute['matmul_gflops']:.0f} GFLOP/s; the model costs"
+        f" {compute['gflop_per_token']:.3f} GFLOP/token.",
+        "",
+        markdown_table(headers, rows),
+    ]
+    lines += [""] + [f"- {note}" for note in notes]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from transformers import AutoConfig
+
+    from engine.loader import load_tokenizer, resolve_model
+
+    model_dir = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    workload = make_workload(
+        corpus_token_ids(tokenizer), args.num_requests, args.input_len, args.output_len, args.seed
+    )
+    flops = measure_matmul_flops(config, args.matmul_tokens, "bfloat16")
+    per_token = model_flops_per_token(config)
+    compute = {
+        "matmul_gflops": flops / 1e9,
+        "gflop_per_token": per_token / 1e9,
+        "limit_tokens_per_s": flops / per_token,
+    }
+    results = {"kvrail": run_kvrail(args, workload)}
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    results.update(run_hf_peers(args, model_dir, workload, pad_id))
+    notes = []
+    if "llama-cpp" in args.peers:
+        llama, why_not = run_llama_peer(args, workload)
+        if llama is None:
+            notes.append(f"llama.cpp skipped: {why_not}")
+        else:
+            results["llama-cpp"] = llama
+    notes.append("Peers run a seeded subset of the same requests; ratios are per output token.")
+    markdown = report(args, results, compute, notes)
+    payload = {"args": vars(args), "compute": compute, "results": results, "notes": notes}
+    write_results(args.name, payload, markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

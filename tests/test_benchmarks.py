@@ -1,0 +1,196 @@
+"""The benchmarks' pure logic: workload, arrivals, latency metrics, KV-waste arithmetic."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.common import (
+    RequestTiming,
+    arrival_offsets,
+    latency_summary,
+    make_workload,
+    model_flops_per_token,
+    parse_range,
+    run_timed_offline,
+    sample_lengths,
+    seeded_subset,
+    summarize_timings,
+    verdict,
+)
+from benchmarks.kv_waste import simulate_contiguous, simulate_paged
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = list(range(1000, 6000))  # a stand-in corpus: every window is recognisable
+
+
+def test_workload_is_seeded_and_within_ranges():
+    first = make_workload(TOKENS, 50, (64, 512), (8, 32), seed=3)
+    assert first == make_workload(TOKENS, 50, (64, 512), (8, 32), seed=3)
+    assert first != make_workload(TOKENS, 50, (64, 512), (8, 32), seed=4)
+    for request in first:
+        assert 64 <= request.prompt_len <= 512 and 8 <= request.output_len <= 32
+        start = request.prompt_token_ids[0] - 1000  # a contiguous window of the corpus
+        assert request.prompt_token_ids == TOKENS[start : start + request.prompt_len]
+    assert len({r.request_id for r in first}) == 50
+    lengths = sample_lengths(50, (64, 512), (8, 32), seed=3)
+    assert lengths == [(r.prompt_len, r.output_len) for r in first]
+
+
+def test_workload_rejects_a_corpus_shorter_than_the_longest_prompt():
+    with pytest.raises(ValueError, match="corpus"):
+        make_workload(TOKENS[:100], 1, (64, 512), (8, 8), seed=0)
+
+
+def test_seeded_subset():
+    workload = make_workload(TOKENS, 20, (10, 20), (1, 2), seed=0)
+    subset = seeded_subset(workload, 5, seed=1)
+    assert subset == seeded_subset(workload, 5, seed=1)
+    assert len(subset) == 5 and all(r in workload for r in subset)
+    assert seeded_subset(workload, 50, seed=1) == workload
+
+
+def test_arrival_offsets():
+    assert arrival_offsets(4, math.inf, 1.0, seed=0) == [0.0] * 4
+    offsets = arrival_offsets(2000, 4.0, 1.0, seed=0)
+    assert offsets == arrival_offsets(2000, 4.0, 1.0, seed=0)
+    assert all(b >= a for a, b in itertools.pairwise(offsets))
+    assert offsets[-1] / 2000 == pytest.approx(0.25, rel=0.1)  # mean gap 1/rate
+    regular = arrival_offsets(2000, 4.0, 50.0, seed=0)  # high burstiness: nearly even gaps
+    gaps = [b - a for a, b in itertools.pairwise(regular)]
+    assert max(gaps) < 0.5
+
+
+def test_request_timing_metrics():
+    timing = RequestTiming(start=10.0, chunk_times=[10.1, 10.15, 10.25, 10.3], output_tokens=4)
+    assert timing.ttft == pytest.approx(0.1)
+    assert timing.e2e == pytest.approx(0.3)
+    assert timing.tpot == pytest.approx(0.2 / 3)
+    assert timing.itls == pytest.approx([0.05, 0.1, 0.05])
+    assert RequestTiming(start=0.0, chunk_times=[0.5], output_tokens=1).tpot is None
+
+
+def test_latency_summary_percentiles():
+    summary = latency_summary([i / 1000 for i in range(1, 101)])  # 1..100 ms
+    assert summary["mean_ms"] == pytest.approx(50.5)
+    assert summary["median_ms"] == pytest.approx(50.5)
+    assert summary["p99_ms"] == pytest.approx(99.01)
+    assert latency_summary([]) == {"mean_ms": None, "median_ms": None, "p99_ms": None}
+
+
+def test_summarize_timings_counts_failures_and_tokens():
+    good = RequestTiming(start=0.0, chunk_times=[0.2, 0.3, 0.4], output_tokens=3, prompt_len=10)
+    failed = RequestTiming(start=0.0, prompt_len=10, error="HTTP 503")
+    summary = summarize_timings([good, failed], duration_s=2.0)
+    assert (summary["completed"], summary["failed"]) == (1, 1)
+    assert summary["output_throughput"] == pytest.approx(1.5)
+    assert summary["total_token_throughput"] == pytest.approx(6.5)
+    assert summary["ttft"]["median_ms"] == pytest.approx(200.0)
+    assert summary["tpot"]["median_ms"] == pytest.approx(100.0)
+    assert summary["itl"]["mean_ms"] == pytest.approx(100.0)
+
+
+class FakeEngine:
+    """One token per running request per step; records the most requests running at once."""
+
+    def __init__(self) -> None:
+        self.left: dict[str, int] = {}
+        self.max_running = 0
+
+    def add_request(self, request_id, prompt, params) -> None:
+        self.left[request_id] = params.max_tokens
+        self.max_running = max(self.max_running, len(self.left))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.left)
+
+    def step(self):
+        outputs = []
+        for request_id in list(self.left):
+            self.left[request_id] -= 1
+            finished = self.left[request_id] == 0
+            if finished:
+                del self.left[request_id]
+            token = SimpleNamespace(token_ids=[7])
+            outputs.append(
+                SimpleNamespace(request_id=request_id, outputs=[token], finished=finished)
+            )
+        return outputs
+
+
+def test_run_timed_offline_counts_tokens_and_honours_concurrency():
+    workload = make_workload(TOKENS, 5, (4, 8), (2, 3), seed=0)
+    engine = FakeEngine()
+    timings, duration = run_timed_offline(engine, workload, [0.0] * 5, max_concurrency=2)
+    assert engine.max_running == 2
+    assert [t.output_tokens for t in timings] == [r.output_len for r in workload]
+    assert all(t.ok and t.ttft >= 0 and t.e2e <= duration for t in timings)
+    # The fake steps are instant: TTFT is the driver's own overhead (no import on the clock).
+    assert max(t.ttft for t in timings) < 1.0
+
+
+def test_model_flops_per_token_smollm2():
+    config = SimpleNamespace(
+        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, num_hidden_layers=30, vocab_size=49152,
+    )  # fmt: skip
+    per_layer = 576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536
+    assert model_flops_per_token(config) == 2 * (30 * per_layer + 576 * 49152)
+    assert model_flops_per_token(config) == pytest.approx(0.269e9, rel=0.01)
+
+
+# A hand-checkable mix with blocks of 4 tokens: r0 has a 5-token prompt and 3 outputs, r1 a
+# 2-token prompt and 2 outputs. The last sampled token never needs KV, so r0 stores 5, 6, 7
+# tokens in steps 1-3 and r1 stores 2, 3 in steps 1-2. The peak is step 2: 6 + 3 = 9 tokens.
+MIX = [(5, 3), (2, 2)]
+
+
+def test_paged_occupancy_on_a_tiny_mix():
+    summary = simulate_paged(MIX, num_blocks=8, block_size=4, max_num_seqs=8).summary()
+    # Step 2: r0 holds 6 tokens in 2 blocks, r1 3 tokens in 1 block: 9 of 12 slots.
+    assert summary["peak_stored_tokens"] == 9
+    assert summary["reserved_at_peak"] == 12
+    assert summary["utilization_at_peak"] == pytest.approx(0.75)
+    assert summary["mean_utilization"] == pytest.approx((7 + 9 + 7) / (12 + 12 + 8))
+    assert (summary["max_running"], summary["steps"], summary["preemptions"]) == (2, 3, 0)
+
+
+def test_contiguous_occupancy_on_a_tiny_mix():
+    by_max_len = simulate_contiguous(MIX, 32, lambda p, o: 16, 8, "max_model_len").summary()
+    assert (by_max_len["peak_stored_tokens"], by_max_len["reserved_at_peak"]) == (9, 32)
+    assert by_max_len["max_running"] == 2
+    by_max_tokens = simulate_contiguous(MIX, 32, lambda p, o: p + o, 8, "max_tokens").summary()
+    assert (by_max_tokens["peak_stored_tokens"], by_max_tokens["reserved_at_peak"]) == (9, 12)
+    # Half the memory: a max_model_len reservation admits one request at a time.
+    serial = simulate_contiguous(MIX, 16, lambda p, o: 16, 8, "max_model_len").summary()
+    assert (serial["max_running"], serial["steps"]) == (1, 5)
+    assert serial["utilization_at_peak"] == pytest.approx(7 / 16)
+
+
+def test_parse_range_and_verdict():
+    assert parse_range("64:512") == (64, 512)
+    assert parse_range("128") == (128, 128)
+    with pytest.raises(ValueError):
+        parse_range("512:64")
+    assert verdict(0.97, 0.96) == "PASS"
+    assert verdict(20.0, 15.0, higher_is_better=False) == "FAIL"
+    assert verdict(None, 1.0) == "n/a"
+
+
+@pytest.mark.parametrize("script", ["throughput", "serve", "sweep", "kv_waste"])
+def test_help_exits_zero(script):
+    result = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{script}", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "usage" in result.stdout
