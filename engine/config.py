@@ -12,7 +12,7 @@ class EngineConfig:
     """Everything that shapes one engine instance. Keyword names follow vLLM's `LLM(...)`."""
 
     model: str | None = None  # HF folder or .gguf file; None = SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto = bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"  # auto = bfloat16 on CUDA and AVX512-BF16 CPUs, else float32
     device: str = "auto"  # auto = cuda if available, else cpu
     seed: int = 0
     attention_backend: str = "auto"  # auto = triton on CUDA, torch elsewhere

@@ -166,7 +166,7 @@ def tiny_model(request, tmp_path_factory, prompt_token_ids):
 @pytest.mark.parametrize("name,kwargs,expect_preemption", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_tiny_models_match_hf(tiny_model, prompt_token_ids, name, kwargs, expect_preemption):
     path, ref = tiny_model
-    llm = LLM(str(path), **kwargs)
+    llm = LLM(str(path), dtype="float32", **kwargs)
     outputs = llm.generate(prompt_token_ids, GREEDY)
     assert_close_to_reference(outputs, ref)
     stats = llm.llm_engine.get_stats()
@@ -184,7 +184,7 @@ def smollm2_reference(prompt_token_ids):
     "name,kwargs,expect_preemption", CONFIGS[1:3], ids=[c[0] for c in CONFIGS[1:3]]
 )
 def test_smollm2_matches_hf(smollm2_reference, prompt_token_ids, name, kwargs, expect_preemption):
-    llm = LLM(None, **kwargs)
+    llm = LLM(None, dtype="float32", **kwargs)
     outputs = llm.generate(prompt_token_ids, GREEDY)
     assert_close_to_reference(outputs, smollm2_reference)
     assert (llm.llm_engine.get_stats().num_preemptions > 0) == expect_preemption
@@ -193,7 +193,7 @@ def test_smollm2_matches_hf(smollm2_reference, prompt_token_ids, name, kwargs, e
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return LLM()
+    return LLM(dtype="float32")
 
 
 def test_france_question(smollm2):
@@ -219,7 +219,7 @@ def test_prefix_cache_hit_is_reported(smollm2):
 @pytest.fixture(scope="module")
 def tiny_llm(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
-    return LLM(str(path), max_num_batched_tokens=96)
+    return LLM(str(path), dtype="float32", max_num_batched_tokens=96)
 
 
 def test_seeded_sampling_is_independent_of_the_batch(tiny_llm):

@@ -96,7 +96,7 @@ def test_engine_greedy_tokens_match_torch_backend(tiny_qwen3):
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     # A small token budget chunks the prefills, so steps mix decodes with chunked prefills,
     # and the shared prefix hits the prefix cache.
-    kwargs = dict(block_size=8, max_num_batched_tokens=16)
+    kwargs = dict(dtype="float32", block_size=8, max_num_batched_tokens=16)
     outputs = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(tiny_qwen3), attention_backend=backend, **kwargs)

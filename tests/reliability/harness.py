@@ -23,7 +23,7 @@ from tests.service.test_e2e import start, stop, wait_healthy
 
 # A small engine: requests are short, so CPU time goes to the faults, not to generation.
 MAX_MODEL_LEN = 256
-ENGINE_KWARGS = dict(max_model_len=MAX_MODEL_LEN, block_size=16, num_kv_blocks=256)
+ENGINE_KWARGS = dict(dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=16, num_kv_blocks=256)
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -42,7 +42,8 @@ def reference(model: Path, texts: list[str], max_tokens: int) -> list[list[int]]
 def worker_args(model: Path, name: str, *extra: str) -> list[str]:
     return [
         "worker", "--model", str(model), "--name", name,
-        "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256", *extra,
+        "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256", "--dtype", "float32",
+        *extra,
     ]  # fmt: skip
 
 

@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory):
 
 def offline(model_dir: str, texts: list[str], max_tokens: int) -> list[list[int]]:
     """Greedy reference on a pool large enough that nothing is preempted."""
-    llm = LLM(model=model_dir, max_model_len=512, num_kv_blocks=512, block_size=16)
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=512, num_kv_blocks=512, block_size=16)
     outputs = llm.generate(texts, SamplingParams(max_tokens=max_tokens, **GREEDY))
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -45,7 +45,12 @@ async def test_poison_entries_in_a_busy_batch_harm_only_themselves(model_dir, re
     texts = prompts(12)
     expected = offline(model_dir, texts, MAX_TOKENS)
     engine = LLMEngine.from_kwargs(
-        model=model_dir, max_model_len=512, num_kv_blocks=128, block_size=16, max_num_seqs=16
+        model=model_dir,
+        dtype="float32",
+        max_model_len=512,
+        num_kv_blocks=128,
+        block_size=16,
+        max_num_seqs=16,
     )
     r = streams.connect(redis_url)
     sampling = {"max_tokens": MAX_TOKENS, **GREEDY}
@@ -89,7 +94,12 @@ async def test_kv_demand_five_times_the_pool_preempts_and_completes(model_dir, r
     max_tokens = 110
     expected = offline(model_dir, texts, max_tokens)
     engine = LLMEngine.from_kwargs(
-        model=model_dir, max_model_len=256, num_kv_blocks=16, block_size=16, max_num_seqs=8
+        model=model_dir,
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=16,
+        block_size=16,
+        max_num_seqs=8,
     )
     r = streams.connect(redis_url)
     before = metrics.REGISTRY.get_sample_value("kvrail:num_preemptions_total") or 0.0
@@ -123,7 +133,12 @@ async def test_deadlines_end_running_and_queued_requests_on_time(model_dir, redi
     and two without: the six end with "deadline exceeded" within one heartbeat tick of their
     deadline, no chunk of theirs is stored later, and the other two complete."""
     engine = LLMEngine.from_kwargs(
-        model=model_dir, max_model_len=512, num_kv_blocks=128, block_size=16, max_num_seqs=2
+        model=model_dir,
+        dtype="float32",
+        max_model_len=512,
+        num_kv_blocks=128,
+        block_size=16,
+        max_num_seqs=2,
     )
     r = streams.connect(redis_url)
     async with serving(engine, redis_url, claim_idle_ms=1000) as worker:

@@ -71,7 +71,10 @@ def served(redis_e2e, tmp_path_factory):
     """`kvrail serve` on the default model against the module's Redis."""
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    proc = start(["serve", "--port", str(port)], {"REDIS_URL": redis_e2e}, log)
+    # fp32: tokens are compared with an offline reference that batches differently.
+    proc = start(
+        ["serve", "--port", str(port), "--dtype", "float32"], {"REDIS_URL": redis_e2e}, log
+    )
     base_url = f"http://127.0.0.1:{port}"
     wait_healthy(base_url, proc, log, SERVE_READY_S)
     yield base_url, redis_e2e
@@ -80,7 +83,7 @@ def served(redis_e2e, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline():
-    return LLM()
+    return LLM(dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -250,12 +253,13 @@ def test_two_workers_one_killed_every_request_completes(tmp_path):
     model = make_tiny_model(tmp_path / "tiny", "llama")
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     prompts = [f"Request number {i}: tell me about the number {i * 7}." for i in range(16)]
-    reference = LLM(str(model)).generate(prompts, params)
+    reference = LLM(str(model), dtype="float32").generate(prompts, params)
 
     redis = EmbeddedRedis().start()  # private: no other test's entries in this group
     env = {"REDIS_URL": redis.url, "KVRAIL_CLAIM_IDLE_MS": "1500"}
     workers = [
-        start(["worker", "--model", str(model), "--name", f"w{i}", "--max-num-seqs", "8"], env,
+        start(["worker", "--model", str(model), "--name", f"w{i}", "--max-num-seqs", "8",
+               "--dtype", "float32"], env,
               tmp_path / f"w{i}.log")
         for i in range(2)
     ]  # fmt: skip

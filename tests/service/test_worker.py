@@ -23,7 +23,9 @@ from tests.engine.tiny_models import make_tiny_model
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
-ENGINE_KWARGS = dict(max_model_len=512, block_size=16, num_kv_blocks=128, max_num_seqs=16)
+ENGINE_KWARGS = dict(
+    dtype="float32", max_model_len=512, block_size=16, num_kv_blocks=128, max_num_seqs=16
+)
 PROMPT = "The quick brown fox jumps over the lazy dog."
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
