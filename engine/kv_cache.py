@@ -217,15 +217,6 @@ class KVCacheManager:
     def get_num_blocks_in_use(self) -> int:
         return self.block_pool.num_blocks - self.block_pool.get_num_free_blocks()
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget all cached hashes; only possible when no block is in use."""
-        if self.get_num_blocks_in_use():
-            return False
-        for block in self.block_pool.blocks:
-            block.block_hash = None
-        self.block_pool.cached_block_hash_to_block.clear()
-        return True
-
     def _update_block_hashes(self, request: Request) -> None:
         num_full_blocks = request.num_tokens // self.block_size
         hashes, bs = request.block_hashes, self.block_size

@@ -258,9 +258,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.parents)
-
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.get_stats()
 

@@ -26,6 +26,16 @@ def reference_attention(q, k_full, v_full, num_computed, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+def expected_outputs(qs, contexts, scale):
+    """The reference output of a whole step: each request's queries over its full context."""
+    return torch.cat(
+        [
+            reference_attention(q_r, k_full, v_full, num_computed, scale)
+            for q_r, (k_full, v_full, num_computed) in zip(qs, contexts, strict=True)
+        ]
+    )
+
+
 def make_step(reqs, num_heads, num_kv_heads, block_size, num_pad_tokens=0, seed=0):
     """Random caches plus one step's inputs for `reqs` = [(num_computed, query_len)].
 
@@ -97,19 +107,15 @@ def test_torch_backend_matches_reference(block_size, num_heads, num_kv_heads):
     out = backend.forward(q, k, v, k_cache, v_cache, backend.build(common), scale)
 
     assert out.shape == q.shape
-    expected = torch.cat(
-        [
-            reference_attention(q_r, k_full, v_full, num_computed, scale)
-            for q_r, (k_full, v_full, num_computed) in zip(qs, contexts, strict=True)
-        ]
-    )
+    expected = expected_outputs(qs, contexts, scale)
     torch.testing.assert_close(out[: common.num_actual_tokens], expected, atol=1e-5, rtol=1e-5)
     assert not out[common.num_actual_tokens :].any(), "padding rows must stay zero"
     flat_k = k_cache.view(-1, num_kv_heads, HEAD_DIM)
     torch.testing.assert_close(flat_k[common.slot_mapping], k[: common.num_actual_tokens])
 
 
-def test_block_written_in_step_is_read_by_other_request():
+@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+def test_block_written_in_step_is_read_by_other_request(backend_name):
     # Request 1 shares request 0's first block (a same-step prefix-cache hit): its cached
     # context only exists once request 0's new tokens are written in this very step.
     block_size, num_heads, num_kv_heads = 8, 4, 2
@@ -122,7 +128,7 @@ def test_block_written_in_step_is_read_by_other_request():
     k_full_1, v_full_1, _ = contexts[1]
     k_full_1[:8], v_full_1[:8] = contexts[0][0][:8], contexts[0][1][:8]
     k_cache[old] = float("nan")  # no longer referenced: must not be read
-    backend = get_attn_backend("torch")
+    backend = get_attn_backend(backend_name)
     out = backend.forward(q, k, v, k_cache, v_cache, backend.build(common), 0.25)
     expected = reference_attention(qs[1], k_full_1, v_full_1, 8, 0.25)
     torch.testing.assert_close(out[12:15], expected, atol=1e-5, rtol=1e-5)
@@ -136,12 +142,7 @@ def test_only_prefill_or_only_decode_batches():
         metadata = backend.build(common)
         assert len(metadata.groups) == num_groups
         out = backend.forward(q, k, v, k_cache, v_cache, metadata, 0.25)
-        expected = torch.cat(
-            [
-                reference_attention(q_r, kf, vf, c, 0.25)
-                for q_r, (kf, vf, c) in zip(qs, contexts, strict=True)
-            ]
-        )
+        expected = expected_outputs(qs, contexts, 0.25)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 

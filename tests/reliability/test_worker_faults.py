@@ -28,6 +28,12 @@ def model_dir(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama"))
 
 
+def tiny_engine(model_dir: str, **overrides) -> LLMEngine:
+    """The worker's engine: fp32 (tokens are compared with a differently batched reference)."""
+    kwargs = dict(dtype="float32", max_model_len=512, num_kv_blocks=128, block_size=16)
+    return LLMEngine.from_kwargs(model=model_dir, **{**kwargs, **overrides})
+
+
 def offline(model_dir: str, texts: list[str], max_tokens: int) -> list[list[int]]:
     """Greedy reference on a pool large enough that nothing is preempted."""
     llm = LLM(model=model_dir, dtype="float32", max_model_len=512, num_kv_blocks=512, block_size=16)
@@ -44,14 +50,7 @@ async def test_poison_entries_in_a_busy_batch_harm_only_themselves(model_dir, re
     worker would resume from, and undecodable entries, arrive while 12 good requests run."""
     texts = prompts(12)
     expected = offline(model_dir, texts, MAX_TOKENS)
-    engine = LLMEngine.from_kwargs(
-        model=model_dir,
-        dtype="float32",
-        max_model_len=512,
-        num_kv_blocks=128,
-        block_size=16,
-        max_num_seqs=16,
-    )
+    engine = tiny_engine(model_dir, max_num_seqs=16)
     r = streams.connect(redis_url)
     sampling = {"max_tokens": MAX_TOKENS, **GREEDY}
     async with serving(engine, redis_url):
@@ -93,14 +92,7 @@ async def test_kv_demand_five_times_the_pool_preempts_and_completes(model_dir, r
     texts = prompts(10)
     max_tokens = 110
     expected = offline(model_dir, texts, max_tokens)
-    engine = LLMEngine.from_kwargs(
-        model=model_dir,
-        dtype="float32",
-        max_model_len=256,
-        num_kv_blocks=16,
-        block_size=16,
-        max_num_seqs=8,
-    )
+    engine = tiny_engine(model_dir, max_model_len=256, num_kv_blocks=16, max_num_seqs=8)
     r = streams.connect(redis_url)
     before = metrics.REGISTRY.get_sample_value("kvrail:num_preemptions_total") or 0.0
     started = time.monotonic()
@@ -132,14 +124,7 @@ async def test_deadlines_end_running_and_queued_requests_on_time(model_dir, redi
     """Two sequences at a time; six long requests with a 400 ms deadline (two run, four wait)
     and two without: the six end with "deadline exceeded" within one heartbeat tick of their
     deadline, no chunk of theirs is stored later, and the other two complete."""
-    engine = LLMEngine.from_kwargs(
-        model=model_dir,
-        dtype="float32",
-        max_model_len=512,
-        num_kv_blocks=128,
-        block_size=16,
-        max_num_seqs=2,
-    )
+    engine = tiny_engine(model_dir, max_num_seqs=2)
     r = streams.connect(redis_url)
     async with serving(engine, redis_url, claim_idle_ms=1000) as worker:
         deadline_ms = int(time.time() * 1000) + 400
