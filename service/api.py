@@ -67,7 +67,10 @@ def _load_tokenizer(tokenizer_dir: str) -> Any:
 
 
 class WorkerView:
-    """The live workers, re-read from Redis at most every `ttl_s` (SCAN is O(keyspace))."""
+    """The live workers, re-read from Redis at most every `ttl_s` (SCAN is O(keyspace)).
+
+    An empty read is never reused: a worker that has just come up must be served at once,
+    or a client that saw `/health` turn 200 would get a 503 for the rest of the window."""
 
     def __init__(self, client: KvrailClient, ttl_s: float) -> None:
         self._client = client
@@ -76,7 +79,7 @@ class WorkerView:
         self._read_at = float("-inf")
 
     async def live(self) -> list[WorkerInfo]:
-        if time.monotonic() - self._read_at >= self._ttl_s:
+        if not self._workers or time.monotonic() - self._read_at >= self._ttl_s:
             self._workers = await self._client.workers()
             self._read_at = time.monotonic()
         return self._workers
@@ -417,7 +420,7 @@ async def health(request: Request) -> Response:
     state = _state(request)
     try:
         await state.client.redis.ping()
-        live = await state.client.workers()
+        live = await state.workers.live()
     except Exception as e:  # any Redis failure means unhealthy, whatever its type
         raise _redis_unavailable(f"Redis is unreachable: {e}") from None
     if not live:

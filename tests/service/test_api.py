@@ -414,12 +414,20 @@ async def test_api_key(start_api, worker):
 
 
 @pytest.mark.asyncio
-async def test_no_worker_gives_503(start_api):
-    http = await start_api(api_key="")
-    response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+async def test_no_worker_gives_503_until_one_comes_up(start_api, redis_url):
+    # A long cache window: a worker that comes up must be served at once all the same.
+    http = await start_api(api_key="", worker_cache_s=60.0)
+    body = {"model": MODEL, "prompt": "x"}
+    response = await http.post("/v1/completions", json=body)
     assert_error(response, 503)
     assert response.headers["Retry-After"]
     assert_error(await http.get("/health"), 503)
+    fake = await FakeWorker(redis_url).start()
+    try:
+        assert (await http.get("/health")).status_code == 200
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+    finally:
+        await fake.stop()
 
 
 @pytest.mark.asyncio

@@ -314,6 +314,7 @@ def test_make_run_serves_within_the_readme_bound(tmp_path):
         elapsed = wait_healthy(f"http://127.0.0.1:{port}", proc, log, SERVE_READY_S)
         body = {"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 16}
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
         assert "Paris" in answer.json()["choices"][0]["message"]["content"]
     finally:
         code = stop(proc)
