@@ -43,7 +43,7 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks.kv_waste
 	$(PY) -m benchmarks.throughput --num-requests 16 --serial-requests 2 --static-requests 16
-	$(PY) -m benchmarks.serve --launch --backend http --dtype bfloat16 --num-requests 16 \
+	$(PY) -m benchmarks.serve --launch --backend http --num-requests 16 \
 		--input-len 64:256 --output-len 32:64 --request-rate 4 --max-concurrency 8 \
 		--offline-baseline
 	$(PY) -m benchmarks.sweep --budgets 64,256,1024 --load-fractions 0.5,1,2 \

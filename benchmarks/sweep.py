@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add = parser.add_argument
     add("--model", default=None)
-    add("--dtype", default="bfloat16")
+    add("--dtype", default="auto")
     add(
         "--budgets",
         type=lambda t: parse_list(t, int),

@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--input-len", type=parse_range, default=(64, 512), help="LOW:HIGH prompt tokens")
     add("--output-len", type=parse_range, default=(64, 256), help="LOW:HIGH output tokens")
     add("--seed", type=int, default=0)
-    add("--dtype", default="bfloat16", help="kvrail's dtype (float32, bfloat16, auto)")
+    add("--dtype", default="auto", help="kvrail's dtype (float32, bfloat16, auto)")
     add("--max-num-seqs", type=int, default=128)
     add("--max-num-batched-tokens", type=int, default=2048)
     add("--peers", default=",".join(PEERS), help=f"comma list of {PEERS}, or 'none'")
@@ -100,7 +100,8 @@ def run_kvrail(args: argparse.Namespace, workload: list[BenchRequest]) -> dict[s
     if produced != expected:
         raise RuntimeError(f"kvrail produced {produced} output tokens, expected {expected}")
     stats = llm.llm_engine.get_stats()
-    result = {**rates(workload, seconds), "dtype": args.dtype}
+    dtype = str(llm.llm_engine.engine_core.model_runner.dtype).removeprefix("torch.")
+    result = {**rates(workload, seconds), "dtype": dtype}
     result["num_preemptions"] = stats.num_preemptions
     return result  # the engine is freed here, before the peers load their models
 
@@ -177,7 +178,7 @@ def report(
     rows.append(
         [
             "compute limit",
-            "bfloat16",
+            compute["dtype"],
             "-",
             "-",
             "-",
@@ -205,8 +206,9 @@ def report(
         f" outputs {args.output_len[0]}-{args.output_len[1]} tokens, seed {args.seed}, greedy,"
         f" EOS ignored. kvrail: max_num_seqs {args.max_num_seqs}, max_num_batched_tokens"
         f" {args.max_num_batched_tokens}, {kvrail['num_preemptions']} preemptions.",
-        f"Compute limit: bf16 matmuls on the model's shapes at M={args.matmul_tokens} rows ran at"
-        f" {compute['matmul_gflops']:.0f} GFLOP/s; the model costs"
+        f"Compute limit: {compute['dtype']} matmuls (the faster dtype here) on the model's"
+        f" shapes at M={args.matmul_tokens} rows ran at {compute['matmul_gflops']:.0f} GFLOP/s;"
+        " the model costs"
         f" {compute['gflop_per_token']:.3f} GFLOP/token.",
         "",
         markdown_table(headers, rows),
@@ -227,9 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     workload = make_workload(
         corpus_token_ids(tokenizer), args.num_requests, args.input_len, args.output_len, args.seed
     )
-    flops = measure_matmul_flops(config, args.matmul_tokens, "bfloat16")
+    # The machine's limit is its faster dtype: bf16 on AVX512-BF16/AMX, fp32 on AVX2 alone.
+    flops, dtype = max(
+        (measure_matmul_flops(config, args.matmul_tokens, d), d) for d in ("float32", "bfloat16")
+    )
     per_token = model_flops_per_token(config)
     compute = {
+        "dtype": dtype,
         "matmul_gflops": flops / 1e9,
         "gflop_per_token": per_token / 1e9,
         "limit_tokens_per_s": flops / per_token,

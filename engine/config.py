@@ -15,7 +15,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto = bfloat16 on CUDA and AVX512-BF16 CPUs, else float32
     device: str = "auto"  # auto = cuda if available, else cpu
     seed: int = 0
-    attention_backend: str = "auto"  # auto = triton on CUDA, torch elsewhere
+    # auto = triton on CUDA, cpu (the C decode kernel) on a CPU with a C compiler, else torch
+    attention_backend: str = "auto"
     # Cache
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # exactly this many blocks when set

@@ -16,7 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.attention import CommonAttentionMetadata, get_attn_backend, set_forward_context
+from engine.attention import (
+    CommonAttentionMetadata,
+    default_attn_backend,
+    get_attn_backend,
+    set_forward_context,
+)
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeCudaGraphs
 from engine.loader import load_model
@@ -74,7 +79,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         backend = config.attention_backend
         if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
+            backend = default_attn_backend(self.device, self.dtype)
         self.attn_backend = get_attn_backend(backend)
         torch.manual_seed(config.seed)
         self.model, self.hf_config = load_model(

@@ -112,7 +112,22 @@ def get_attn_backend(name: str) -> AttentionBackend:
         from engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: 'torch', 'triton'")
+    if name == "cpu":
+        from engine.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: 'torch', 'triton', 'cpu'")
+
+
+def default_attn_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """`auto`: Triton kernels on CUDA; on the CPU the C decode kernel when its dtype is
+    supported and a C compiler is there to build it; the plain torch backend otherwise."""
+    if device.type == "cuda":
+        return "triton"
+    from engine.kernels import cpu_decode_attention
+
+    supported = device.type == "cpu" and dtype in cpu_decode_attention.SUPPORTED_DTYPES
+    return "cpu" if supported and cpu_decode_attention.compiler() is not None else "torch"
 
 
 @dataclass

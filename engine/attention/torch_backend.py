@@ -40,10 +40,9 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        qsl = common.query_start_loc_cpu[: common.num_reqs + 1].long()
-        query_lens = qsl[1:] - qsl[:-1]
+        qsl, query_lens = query_lens_of(common)
         groups = [
-            _build_group(common, req_index, qsl, query_lens)
+            build_group(common, req_index, qsl, query_lens)
             for req_index in _split_requests(common, query_lens)
         ]
         return TorchAttentionMetadata(
@@ -62,38 +61,66 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_tokens = metadata.num_actual_tokens
-        _, block_size, num_kv_heads, head_dim = k_cache.shape
-        # Write the whole batch first: a later request may read a block written in this step.
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-            0, metadata.slot_mapping, k[:num_tokens].to(k_cache.dtype)
-        )
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-            0, metadata.slot_mapping, v[:num_tokens].to(v_cache.dtype)
-        )
-        num_heads = q.shape[1]
+        write_kv(k, v, k_cache, v_cache, metadata)
         out = torch.zeros_like(q)
-        for group in metadata.groups:
-            num_seqs, max_query_len = group.query_index.shape
-            context_len = group.block_table.shape[1] * block_size
-            query = q.index_select(0, group.query_index.flatten())
-            query = query.view(num_seqs, max_query_len, num_heads, head_dim).transpose(1, 2)
-            flat_blocks = group.block_table.flatten()
-            key = k_cache.index_select(0, flat_blocks).view(
-                num_seqs, context_len, num_kv_heads, head_dim
-            )
-            value = v_cache.index_select(0, flat_blocks).view_as(key)
-            attn = F.scaled_dot_product_attention(
-                query,
-                key.transpose(1, 2).to(q.dtype),
-                value.transpose(1, 2).to(q.dtype),
-                attn_mask=group.attn_mask,
-                scale=scale,
-                enable_gqa=num_heads != num_kv_heads,
-            )
-            attn = attn.transpose(1, 2).reshape(num_seqs * max_query_len, num_heads, head_dim)
-            out.index_copy_(0, group.token_index, attn.index_select(0, group.valid_index))
+        attend_groups(q, k_cache, v_cache, metadata.groups, scale, out)
         return out
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: TorchAttentionMetadata,
+) -> None:
+    """Store the step's new k/v at their slots. The whole batch is written before anyone
+    reads: a later request may read a block written in this step."""
+    num_tokens = metadata.num_actual_tokens
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    slots = metadata.slot_mapping
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[:num_tokens].to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:num_tokens].to(v_cache.dtype))
+
+
+def attend_groups(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    groups: list[AttentionGroup],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """One padded SDPA call per group over keys gathered through its block table; writes the
+    real tokens' rows of `out`."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_heads = q.shape[1]
+    for group in groups:
+        num_seqs, max_query_len = group.query_index.shape
+        context_len = group.block_table.shape[1] * block_size
+        query = q.index_select(0, group.query_index.flatten())
+        query = query.view(num_seqs, max_query_len, num_heads, head_dim).transpose(1, 2)
+        flat_blocks = group.block_table.flatten()
+        key = k_cache.index_select(0, flat_blocks).view(
+            num_seqs, context_len, num_kv_heads, head_dim
+        )
+        value = v_cache.index_select(0, flat_blocks).view_as(key)
+        attn = F.scaled_dot_product_attention(
+            query,
+            key.transpose(1, 2).to(q.dtype),
+            value.transpose(1, 2).to(q.dtype),
+            attn_mask=group.attn_mask,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        attn = attn.transpose(1, 2).reshape(num_seqs * max_query_len, num_heads, head_dim)
+        out.index_copy_(0, group.token_index, attn.index_select(0, group.valid_index))
+
+
+def query_lens_of(common: CommonAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query_start_loc [R + 1] int64, query_lens [R] int64) on the CPU."""
+    qsl = common.query_start_loc_cpu[: common.num_reqs + 1].long()
+    return qsl, qsl[1:] - qsl[:-1]
 
 
 def _split_requests(
@@ -117,7 +144,7 @@ def _split_requests(
     return groups
 
 
-def _build_group(
+def build_group(
     common: CommonAttentionMetadata,
     req_index: torch.Tensor,
     query_start_loc: torch.Tensor,

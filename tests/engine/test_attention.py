@@ -96,13 +96,14 @@ def make_step(reqs, num_heads, num_kv_heads, block_size, num_pad_tokens=0, seed=
 MIXED_BATCH = [(20, 1), (0, 13), (15, 1), (16, 1), (24, 9), (0, 1), (7, 30), (40, 1), (0, 2)]
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 @pytest.mark.parametrize("block_size", [16, 8])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2)])
-def test_torch_backend_matches_reference(block_size, num_heads, num_kv_heads):
+def test_backend_matches_reference(backend_name, block_size, num_heads, num_kv_heads):
     q, k, v, k_cache, v_cache, common, qs, contexts = make_step(
         MIXED_BATCH, num_heads, num_kv_heads, block_size, num_pad_tokens=3
     )
-    backend = get_attn_backend("torch")
+    backend = get_attn_backend(backend_name)
     scale = HEAD_DIM**-0.5
     out = backend.forward(q, k, v, k_cache, v_cache, backend.build(common), scale)
 
@@ -114,7 +115,7 @@ def test_torch_backend_matches_reference(block_size, num_heads, num_kv_heads):
     torch.testing.assert_close(flat_k[common.slot_mapping], k[: common.num_actual_tokens])
 
 
-@pytest.mark.parametrize("backend_name", ["torch", "triton"])
+@pytest.mark.parametrize("backend_name", ["torch", "triton", "cpu"])
 def test_block_written_in_step_is_read_by_other_request(backend_name):
     # Request 1 shares request 0's first block (a same-step prefix-cache hit): its cached
     # context only exists once request 0's new tokens are written in this very step.

@@ -1,0 +1,121 @@
+"""The `cpu` attention backend: its C decode kernel against the reference the Triton kernel
+shares, the engine's tokens against the torch backend, and how `auto` picks it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import default_attn_backend
+from engine.kernels import cpu_decode_attention
+from engine.kernels.cpu_decode_attention import paged_decode_attention
+from engine.kernels.decode_attention import decode_attention_ref
+from tests.engine.test_kernels import HEAD_DIM, paged_cache
+from tests.engine.tiny_models import make_tiny_model
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads", [(8, 4, 4), (16, 6, 2), (16, 9, 3)])
+def test_kernel_matches_reference(dtype, block_size, num_heads, num_kv_heads):
+    # Contexts ending mid-block, on a block edge, a single token, an empty one, a long one.
+    seq_lens = torch.tensor([37, block_size, 1, 0, 5 * block_size + 3], dtype=torch.int32)
+    k_cache, v_cache, block_table = paged_cache(seq_lens.tolist(), block_size, num_kv_heads, dtype)
+    q = torch.randn(len(seq_lens), num_heads, HEAD_DIM).to(dtype)
+    query_start_loc = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        torch.arange(len(seq_lens), dtype=torch.int32),
+        int(seq_lens.max()),
+        0.3,
+        out,
+    )
+    expected = decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, 0.3)
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+    assert not out[3].any(), "an empty context must give zeros, not NaN"
+
+
+def test_kernel_writes_only_the_selected_requests_rows():
+    # Requests 0 and 2 decode inside a batch whose request 1 has 3 query tokens.
+    seq_lens = torch.tensor([20, 9, 11], dtype=torch.int32)
+    k_cache, v_cache, block_table = paged_cache(seq_lens.tolist(), 8, 2, torch.float32)
+    query_start_loc = torch.tensor([0, 1, 4, 5], dtype=torch.int32)
+    q = torch.randn(5, 4, HEAD_DIM)
+    out = torch.zeros_like(q)
+    selected = torch.tensor([0, 2], dtype=torch.int32)
+    paged_decode_attention(
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, selected, 20, 0.25, out
+    )
+    rows = torch.tensor([0, 4])
+    expected = decode_attention_ref(
+        q[rows], k_cache, v_cache, block_table[[0, 2]], seq_lens[[0, 2]], 0.25
+    )
+    torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+    assert not out[1:4].any(), "rows of other requests must not be written"
+
+
+def test_kernel_rejects_what_it_cannot_read():
+    seq_lens = torch.tensor([5], dtype=torch.int32)
+    k_cache, v_cache, block_table = paged_cache([5], 8, 2, torch.float32)
+    q = torch.randn(1, 4, HEAD_DIM)
+    args = (k_cache, v_cache, block_table, torch.tensor([0, 1], dtype=torch.int32), seq_lens)
+    index = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="share one dtype"):
+        paged_decode_attention(q.half(), *args, index, 5, 1.0, torch.empty_like(q.half()))
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_decode_attention(q.transpose(1, 2).contiguous().transpose(1, 2), *args, index, 5,
+                               1.0, torch.empty_like(q))  # fmt: skip
+    with pytest.raises(ValueError, match="int32"):
+        paged_decode_attention(q, *args, index.long(), 5, 1.0, torch.empty_like(q))
+
+
+def test_auto_picks_the_kernel_only_where_it_can_build(monkeypatch):
+    cpu = torch.device("cpu")
+    assert default_attn_backend(cpu, torch.float32) == "cpu"
+    assert default_attn_backend(cpu, torch.bfloat16) == "cpu"
+    assert default_attn_backend(cpu, torch.float16) == "torch"
+    monkeypatch.setenv("CC", "no-such-compiler")
+    assert default_attn_backend(cpu, torch.float32) == "torch"
+
+
+def test_engine_greedy_tokens_match_torch_backend(tmp_path):
+    model = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=2)
+    prefix = list(range(100, 119))  # shared blocks end mid-block: prefix-cache hits
+    prompts = [[*prefix, 7, 8, 9], [42], [*prefix, 300], list(range(500, 540))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # A small token budget chunks the prefills: steps mix decodes with chunked prefills.
+    kwargs = dict(dtype="float32", block_size=8, max_num_batched_tokens=16)
+    outputs = {}
+    for backend in ("torch", "cpu"):
+        llm = LLM(str(model), attention_backend=backend, **kwargs)
+        assert llm.llm_engine.engine_core.model_runner.attn_backend.name == backend
+        outputs[backend] = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+        assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.get_num_blocks_in_use() == 0
+    assert all(len(t) == 12 for t in outputs["cpu"])
+    assert outputs["cpu"] == outputs["torch"]
+
+
+def test_build_is_cached_per_source_and_fails_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVRAIL_CACHE_DIR", str(tmp_path))
+    cpu_decode_attention._library.cache_clear()
+    try:
+        cpu_decode_attention.load()
+        (built,) = (tmp_path / "kernels").glob("*.so")
+        built_at = built.stat().st_mtime_ns
+        cpu_decode_attention._library.cache_clear()
+        cpu_decode_attention.load()  # the cached library is loaded, not rebuilt
+        assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").glob("*.so")] == [built_at]
+        cpu_decode_attention._library.cache_clear()
+        monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+        with pytest.raises(RuntimeError, match=r"building cpu_decode_attention\.c failed"):
+            cpu_decode_attention.load()
+    finally:
+        cpu_decode_attention._library.cache_clear()
