@@ -51,7 +51,7 @@ from benchmarks.common import (
     write_results,
 )
 
-ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_num_batched_tokens")
+ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes")
 THROUGHPUT_TARGET = 0.90  # service output tokens/s over offline
 IDLE_TTFT_TARGET_MS = 15.0  # service idle TTFT minus offline
 SERVER_START_TIMEOUT_S = 300.0
@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--dtype", default=None, help="engine dtype for --launch and the baseline")
     add("--max-num-seqs", type=int, default=None)
     add("--max-num-batched-tokens", type=int, default=None)
+    add("--kv-cache-memory-bytes", type=int, default=None, help="KV pool size on CPU")
     add("--num-requests", type=int, default=64)
     add("--input-len", type=parse_range, default=(64, 512), help="LOW:HIGH prompt tokens")
     add("--output-len", type=parse_range, default=(64, 256), help="LOW:HIGH output tokens")

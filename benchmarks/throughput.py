@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--dtype", default="auto", help="kvrail's dtype (float32, bfloat16, auto)")
     add("--max-num-seqs", type=int, default=128)
     add("--max-num-batched-tokens", type=int, default=2048)
+    # 4 GiB holds all 128 requests of the default workload at once in fp32 (46 KB a token).
+    add("--kv-cache-memory-bytes", type=int, default=4 << 30, help="kvrail's KV pool on CPU")
     add("--peers", default=",".join(PEERS), help=f"comma list of {PEERS}, or 'none'")
     add("--serial-requests", type=int, default=8, help="subset size for one-at-a-time peers")
     add("--static-requests", type=int, default=32, help="subset size for HF static batching")
@@ -86,6 +88,7 @@ def run_kvrail(args: argparse.Namespace, workload: list[BenchRequest]) -> dict[s
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
     )
     # Warm-up on reversed prompts: no prefix-cache hits on the measured ones.
     warmup = [list(reversed(r.prompt_token_ids)) for r in workload[:4]]
@@ -205,7 +208,8 @@ def report(
         f"Workload: {args.num_requests} requests, inputs {args.input_len[0]}-{args.input_len[1]},"
         f" outputs {args.output_len[0]}-{args.output_len[1]} tokens, seed {args.seed}, greedy,"
         f" EOS ignored. kvrail: max_num_seqs {args.max_num_seqs}, max_num_batched_tokens"
-        f" {args.max_num_batched_tokens}, {kvrail['num_preemptions']} preemptions.",
+        f" {args.max_num_batched_tokens}, KV pool {args.kv_cache_memory_bytes / 2**30:g} GiB,"
+        f" {kvrail['num_preemptions']} preemptions.",
         f"Compute limit: {compute['dtype']} matmuls (the faster dtype here) on the model's"
         f" shapes at M={args.matmul_tokens} rows ran at {compute['matmul_gflops']:.0f} GFLOP/s;"
         " the model costs"

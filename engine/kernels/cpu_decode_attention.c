@@ -13,6 +13,7 @@
  * processed, each writing row query_start_loc[req] of out; the other rows are not touched.
  * Accumulation is fp32 whatever the storage type; an empty context gives zeros.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -77,8 +78,9 @@ void NAME(T *out, const T *q, const T *k_cache, const T *v_cache, const int32_t 
             /* Softmax weights, unnormalized; each head's sum divides once at the end. */        \
             for (int h = 0; h < num_heads; h++) {                                                \
                 float *sh = scores + (int64_t)h * max_seq_len;                                   \
-                float row_max = -INFINITY, sum = 0.0f;                                           \
+                float row_max = -FLT_MAX, sum = 0.0f; /* finite: built with -ffast-math */      \
                 for (int t = 0; t < seq_len; t++) row_max = sh[t] > row_max ? sh[t] : row_max;   \
+                _Pragma("omp simd reduction(+:sum)") /* vector expf from libmvec */              \
                 for (int t = 0; t < seq_len; t++) {                                              \
                     sh[t] = expf(sh[t] - row_max);                                               \
                     sum += sh[t];                                                                \
