@@ -42,12 +42,13 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks.kv_waste
-	$(PY) -m benchmarks.throughput --num-requests 16 --serial-requests 2 --static-requests 16
+	$(PY) -m benchmarks.throughput --num-requests 16 --input-len 64:256 --output-len 32:64 \
+		--serial-requests 2 --static-requests 16
 	$(PY) -m benchmarks.serve --launch --backend http --num-requests 16 \
 		--input-len 64:256 --output-len 32:64 --request-rate 4 --max-concurrency 8 \
 		--offline-baseline
-	$(PY) -m benchmarks.sweep --budgets 64,256,1024 --load-fractions 0.5,1,2 \
-		--num-requests 6 --input-len 64:256 --output-len 16:32 --num-kv-blocks 64 \
+	$(PY) -m benchmarks.sweep --budgets 64,1024 --load-fractions 0.5,1,2 \
+		--num-requests 6 --input-len 64:256 --output-len 8:16 --num-kv-blocks 64 \
 		--max-model-len 512
 
 # On a CUDA machine, with its own python3 (no venv): kernels, parity vs HF, throughput.

@@ -1,11 +1,12 @@
 """Where an engine step spends its time: torch.profiler over the decode-heavy middle of a run.
 
 A seeded workload (the throughput benchmark's) is admitted at once; after `--skip-steps`
-steps (prefills done, the batch decoding), `--steps` steps run under torch.profiler. The
-table groups the CPU self time of every op into the parts of a step (linear layers, KV cache
-gather, attention, norms, rotary, sampling, ...) and lists the top ops.
+steps (prefills done, the batch decoding), `--steps` steps run under torch.profiler, once per
+attention backend, side by side in one run. The table groups the CPU self time of every op
+into the parts of a step (linear layers, KV cache gather, attention, norms, rotary,
+sampling, ...) and lists the top ops.
 
-    python -m benchmarks.profile_step --num-requests 48 --input-len 256:512 --output-len 128
+    python -m benchmarks.profile_step --attention-backends torch,cpu
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--input-len", type=parse_range, default=(256, 512), help="LOW:HIGH prompt tokens")
     add("--output-len", type=parse_range, default=(128, 128), help="LOW:HIGH output tokens")
     add("--dtype", default="auto")
+    add("--attention-backends", default="torch,cpu", help="comma list, profiled in turn")
     add("--skip-steps", type=int, default=40, help="steps before profiling (prefills)")
     add("--steps", type=int, default=20, help="steps profiled")
     add("--seed", type=int, default=0)
@@ -60,25 +62,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    import torch
+def profile_backend(args: argparse.Namespace, workload: list, backend: str) -> dict[str, Any]:
+    """Run the workload on one attention backend; profile `--steps` decode-heavy steps."""
     from torch.profiler import ProfilerActivity, profile
 
     from engine import LLM
-    from engine.loader import load_tokenizer, resolve_model
 
-    tokenizer = load_tokenizer(resolve_model(args.model))
-    workload = make_workload(
-        corpus_token_ids(tokenizer), args.num_requests, args.input_len, args.output_len, args.seed
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.num_requests,
+        attention_backend=backend,
     )
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.num_requests)
     engine = llm.llm_engine
     for r in workload:
         engine.add_request(r.request_id, r.prompt_token_ids, greedy_params(r.output_len))
     for _ in range(args.skip_steps):
         engine.step()
-    stats = engine.get_stats()
+    num_running = engine.get_stats().num_running_reqs
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
@@ -86,42 +87,64 @@ def main(argv: list[str] | None = None) -> int:
         step_ms = (time.perf_counter() - start) / args.steps * 1e3
     while engine.has_unfinished_requests():
         engine.step()
-
     op_ms: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         op_ms[event.key] += event.self_cpu_time_total / 1e3 / args.steps
     part_ms: dict[str, float] = defaultdict(float)
     for op, ms in op_ms.items():
         part_ms[part_of(op)] += ms
-    profiled_ms = sum(op_ms.values())
-    part_ms["python / glue (wall - ops)"] = max(0.0, step_ms - profiled_ms)
-    rows = [
-        [part, fmt(ms, 2), f"{ms / step_ms:.0%}"]
-        for part, ms in sorted(part_ms.items(), key=lambda p: -p[1])
-    ]
-    top = sorted(op_ms.items(), key=lambda p: -p[1])[:12]
-    dtype = str(engine.engine_core.model_runner.dtype).removeprefix("torch.")
-    markdown = "\n".join(
-        [
-            "# Where a decode step's time goes",
-            "",
-            f"{args.num_requests} requests decoding (running {stats.num_running_reqs}),"
-            f" dtype {dtype}, {torch.get_num_threads()} threads; {args.steps} steps profiled"
-            f" after {args.skip_steps}. Wall time per step {step_ms:.1f} ms (under the"
-            " profiler, which adds a little per op).",
-            "",
-            markdown_table(["part", "ms / step", "share"], rows),
-            "",
-            markdown_table(["top op", "ms / step"], [[op, fmt(ms, 2)] for op, ms in top]),
-        ]
-    )
-    payload: dict[str, Any] = {
-        "args": vars(args),
+    part_ms["python / glue (wall - ops)"] = max(0.0, step_ms - sum(op_ms.values()))
+    runner = engine.engine_core.model_runner
+    return {
+        "backend": runner.attn_backend.name,
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "num_running": num_running,
         "step_ms": step_ms,
         "parts_ms": dict(part_ms),
-        "ops_ms": dict(top),
+        "top_ops_ms": dict(sorted(op_ms.items(), key=lambda p: -p[1])[:8]),
     }
-    write_results(args.name, payload, markdown)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from engine.loader import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    workload = make_workload(
+        corpus_token_ids(tokenizer), args.num_requests, args.input_len, args.output_len, args.seed
+    )
+    runs = [profile_backend(args, workload, b) for b in args.attention_backends.split(",")]
+    parts = sorted(
+        {p for run in runs for p in run["parts_ms"]}, key=lambda p: -runs[0]["parts_ms"].get(p, 0)
+    )
+    rows = [[part, *(fmt(run["parts_ms"].get(part, 0.0), 1) for run in runs)] for part in parts]
+    rows.append(["**wall time per step**", *(f"**{fmt(run['step_ms'], 1)}**" for run in runs)])
+    headers = ["ms per step", *(f"{run['backend']} ({run['dtype']})" for run in runs)]
+    lines = [
+        "# Where a decode step's time goes",
+        "",
+        f"{args.num_requests} requests admitted at once (inputs {args.input_len[0]}-"
+        f"{args.input_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]} tokens);"
+        f" {args.steps} steps profiled after {args.skip_steps}, with"
+        f" {runs[0]['num_running']} requests decoding; {torch.get_num_threads()} threads."
+        " torch.profiler self time per op, grouped; it adds a little per op.",
+        "",
+        markdown_table(headers, rows),
+    ]
+    if len(runs) > 1:
+        base = runs[0]
+        for run in runs[1:]:
+            lines.append(
+                f"\nStep time {run['backend']} / {base['backend']}:"
+                f" {run['step_ms'] / base['step_ms']:.2f}"
+                f" ({base['step_ms'] / run['step_ms']:.2f}x faster)."
+            )
+    for run in runs:
+        top = [[op, fmt(ms, 2)] for op, ms in run["top_ops_ms"].items()]
+        lines += ["", markdown_table([f"top ops, {run['backend']}", "ms / step"], top)]
+    write_results(args.name, {"args": vars(args), "runs": runs}, "\n".join(lines))
     return 0
 
 

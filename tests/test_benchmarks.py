@@ -25,6 +25,7 @@ from benchmarks.common import (
     verdict,
 )
 from benchmarks.kv_waste import simulate_contiguous, simulate_paged
+from benchmarks.profile_step import part_of
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = list(range(1000, 6000))  # a stand-in corpus: every window is recognisable
@@ -173,6 +174,15 @@ def test_contiguous_occupancy_on_a_tiny_mix():
     assert serial["utilization_at_peak"] == pytest.approx(7 / 16)
 
 
+def test_profile_groups_ops_into_parts_of_a_step():
+    assert part_of("aten::mm") == part_of("aten::addmm") == "linear"
+    assert part_of("kvrail::cpu_decode_attention") == "attention"
+    assert part_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert part_of("aten::index_select") == "kv gather / write"
+    assert part_of("aten::argmax") == "sampling"
+    assert part_of("aten::empty") == "other ops"
+
+
 def test_parse_range_and_verdict():
     assert parse_range("64:512") == (64, 512)
     assert parse_range("128") == (128, 128)
@@ -183,7 +193,7 @@ def test_parse_range_and_verdict():
     assert verdict(None, 1.0) == "n/a"
 
 
-@pytest.mark.parametrize("script", ["throughput", "serve", "sweep", "kv_waste"])
+@pytest.mark.parametrize("script", ["throughput", "serve", "sweep", "kv_waste", "profile_step"])
 def test_help_exits_zero(script):
     result = subprocess.run(
         [sys.executable, "-m", f"benchmarks.{script}", "--help"],
