@@ -28,9 +28,11 @@ import torch
 from engine import envs
 
 SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
-# -ffast-math lets expf and the dot-product reductions vectorize (glibc's libmvec, hence -lm
-# after the source); the kernel keeps to finite values.
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+# -ffast-math lets expf and the dot-product reductions vectorize (glibc's libmvec); the kernel
+# keeps to finite values. It is a compile flag only: linked with it, gcc 12 adds
+# crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+LDFLAGS = ("-shared", "-fopenmp")
 _FUNCTIONS = {
     torch.float32: "paged_decode_attention_f32",
     torch.bfloat16: "paged_decode_attention_bf16",
@@ -59,19 +61,21 @@ def _library() -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("the cpu attention backend needs a C compiler: install gcc or set CC")
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join((cc, *CFLAGS)).encode() + _cpu_signature().encode()
+        SOURCE.read_bytes() + " ".join((cc, *CFLAGS, *LDFLAGS)).encode() + _cpu_signature().encode()
     ).hexdigest()[:16]
     path = envs.KVRAIL_CACHE_DIR / "kernels" / f"cpu_decode_attention-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename: workers starting together never load half a file.
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            built = Path(tmp) / path.name
-            result = subprocess.run(
-                [cc, *CFLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True, text=True
-            )
-            if result.returncode != 0:
-                raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr}")
+            obj, built = Path(tmp) / "kernel.o", Path(tmp) / path.name
+            for command in (
+                [cc, *CFLAGS, "-c", "-o", str(obj), str(SOURCE)],
+                [cc, *LDFLAGS, "-o", str(built), str(obj), "-lm"],
+            ):
+                result = subprocess.run(command, capture_output=True, text=True)
+                if result.returncode != 0:
+                    raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr}")
             os.replace(built, path)
     lib = ctypes.CDLL(str(path))
     for name in _FUNCTIONS.values():

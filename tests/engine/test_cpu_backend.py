@@ -3,6 +3,8 @@ shares, the engine's tokens against the torch backend, and how `auto` picks it."
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -101,6 +103,20 @@ def test_engine_greedy_tokens_match_torch_backend(tmp_path):
         assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.get_num_blocks_in_use() == 0
     assert all(len(t) == 12 for t in outputs["cpu"])
     assert outputs["cpu"] == outputs["torch"]
+
+
+def test_loading_the_kernel_leaves_subnormals_alone(tmp_path, monkeypatch):
+    """Built with -ffast-math, the library must not flush subnormals to zero process-wide
+    (gcc links crtfastmath.o into a library linked with -ffast-math)."""
+    monkeypatch.setenv("KVRAIL_CACHE_DIR", str(tmp_path))
+    cpu_decode_attention._library.cache_clear()
+    try:
+        cpu_decode_attention.load()
+        tiny = sys.float_info.min
+        assert tiny / 2 > 0.0
+        assert (torch.tensor([1e-39]) * 0.5).item() > 0.0  # fp32 subnormal survives
+    finally:
+        cpu_decode_attention._library.cache_clear()
 
 
 def test_build_is_cached_per_source_and_fails_clearly(tmp_path, monkeypatch):
