@@ -13,7 +13,12 @@ from engine.attention import default_attn_backend
 from engine.kernels import cpu_decode_attention
 from engine.kernels.cpu_decode_attention import paged_decode_attention
 from engine.kernels.decode_attention import decode_attention_ref
-from tests.engine.test_kernels import HEAD_DIM, paged_cache
+from tests.engine.test_kernels import (
+    HEAD_DIM,
+    check_decode_writes_only_selected_rows,
+    decode_inputs,
+    paged_cache,
+)
 from tests.engine.tiny_models import make_tiny_model
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -22,46 +27,29 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size,num_heads,num_kv_heads", [(8, 4, 4), (16, 6, 2), (16, 9, 3)])
 def test_kernel_matches_reference(dtype, block_size, num_heads, num_kv_heads):
-    # Contexts ending mid-block, on a block edge, a single token, an empty one, a long one.
-    seq_lens = torch.tensor([37, block_size, 1, 0, 5 * block_size + 3], dtype=torch.int32)
-    k_cache, v_cache, block_table = paged_cache(seq_lens.tolist(), block_size, num_kv_heads, dtype)
-    q = torch.randn(len(seq_lens), num_heads, HEAD_DIM).to(dtype)
-    query_start_loc = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
-    out = torch.full_like(q, float("nan"))
-    paged_decode_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        query_start_loc,
-        seq_lens,
-        torch.arange(len(seq_lens), dtype=torch.int32),
-        int(seq_lens.max()),
-        0.3,
-        out,
+    q, k_cache, v_cache, block_table, query_start_loc, seq_lens = decode_inputs(
+        block_size, num_heads, num_kv_heads, dtype, long_blocks=5
     )
+    out = torch.full_like(q, float("nan"))
+    every_request = torch.arange(len(seq_lens), dtype=torch.int32)
+    max_seq_len = int(seq_lens.max())
+    paged_decode_attention(
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, every_request, max_seq_len,
+        0.3, out,
+    )  # fmt: skip
     expected = decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, 0.3)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
     assert not out[3].any(), "an empty context must give zeros, not NaN"
 
 
 def test_kernel_writes_only_the_selected_requests_rows():
-    # Requests 0 and 2 decode inside a batch whose request 1 has 3 query tokens.
-    seq_lens = torch.tensor([20, 9, 11], dtype=torch.int32)
-    k_cache, v_cache, block_table = paged_cache(seq_lens.tolist(), 8, 2, torch.float32)
-    query_start_loc = torch.tensor([0, 1, 4, 5], dtype=torch.int32)
-    q = torch.randn(5, 4, HEAD_DIM)
-    out = torch.zeros_like(q)
-    selected = torch.tensor([0, 2], dtype=torch.int32)
-    paged_decode_attention(
-        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, selected, 20, 0.25, out
-    )
-    rows = torch.tensor([0, 4])
-    expected = decode_attention_ref(
-        q[rows], k_cache, v_cache, block_table[[0, 2]], seq_lens[[0, 2]], 0.25
-    )
-    torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
-    assert not out[1:4].any(), "rows of other requests must not be written"
+    def attend(q, k_cache, v_cache, block_table, qsl, seq_lens, req_indices, scale, out):
+        max_seq_len = int(seq_lens.max())
+        paged_decode_attention(
+            q, k_cache, v_cache, block_table, qsl, seq_lens, req_indices, max_seq_len, scale, out
+        )
+
+    check_decode_writes_only_selected_rows(attend)
 
 
 def test_kernel_rejects_what_it_cannot_read():

@@ -64,13 +64,41 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,num_splits,dtype", DECODE_CASES)
-def test_decode_attention(block_size, num_heads, num_kv_heads, num_splits, dtype):
-    # Contexts that end mid-block, on a block edge, a single token, and an empty (padded) row.
-    seq_lens = torch.tensor([37, block_size, 1, 0, 2 * block_size + 3], dtype=torch.int32)
-    k_cache, v_cache, block_table = paged_cache(seq_lens.tolist(), block_size, num_kv_heads, dtype)
+def decode_inputs(block_size, num_heads, num_kv_heads, dtype, long_blocks=2):
+    """One query per request over contexts that end mid-block, on a block edge, a single
+    token, an empty (padded) one (request 3) and a long one; `out` starts as NaN."""
+    seq_lens = [37, block_size, 1, 0, long_blocks * block_size + 3]
+    k_cache, v_cache, block_table = paged_cache(seq_lens, block_size, num_kv_heads, dtype)
     q = torch.randn(len(seq_lens), num_heads, HEAD_DIM).to(dtype)
     query_start_loc = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return q, k_cache, v_cache, block_table, query_start_loc, seq_lens
+
+
+def check_decode_writes_only_selected_rows(attend):
+    """Requests 0 and 2 decode inside a batch whose request 1 has 3 query tokens: `attend(q,
+    k_cache, v_cache, block_table, query_start_loc, seq_lens, req_indices, scale, out)` must
+    match the reference on rows 0 and 4 and leave the other rows alone."""
+    seq_lens = torch.tensor([20, 9, 11], dtype=torch.int32)
+    k_cache, v_cache, block_table = paged_cache(seq_lens.tolist(), 8, 2, torch.float32)
+    query_start_loc = torch.tensor([0, 1, 4, 5], dtype=torch.int32)
+    q = torch.randn(5, 4, HEAD_DIM)
+    out = torch.zeros_like(q)
+    selected = torch.tensor([0, 2], dtype=torch.int32)
+    attend(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, selected, 0.25, out)
+    rows = torch.tensor([0, 4])
+    expected = decode_attention_ref(
+        q[rows], k_cache, v_cache, block_table[[0, 2]], seq_lens[[0, 2]], 0.25
+    )
+    torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+    assert not out[1:4].any(), "rows of other requests must not be written"
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,num_splits,dtype", DECODE_CASES)
+def test_decode_attention(block_size, num_heads, num_kv_heads, num_splits, dtype):
+    q, k_cache, v_cache, block_table, query_start_loc, seq_lens = decode_inputs(
+        block_size, num_heads, num_kv_heads, dtype
+    )
     out = torch.full_like(q, float("nan"))
     decode_attention(
         q,
@@ -91,32 +119,23 @@ def test_decode_attention(block_size, num_heads, num_kv_heads, num_splits, dtype
 
 
 def test_decode_attention_selected_requests_of_mixed_batch():
-    # Requests 0 and 2 decode inside a batch whose request 1 has 3 query tokens.
-    seq_lens = torch.tensor([20, 9, 11], dtype=torch.int32)
-    k_cache, v_cache, block_table = paged_cache(seq_lens.tolist(), 8, 2, torch.float32)
-    query_start_loc = torch.tensor([0, 1, 4, 5], dtype=torch.int32)
-    q = torch.randn(5, 4, HEAD_DIM)
-    out = torch.zeros_like(q)
-    decode_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        query_start_loc,
-        seq_lens,
-        0.25,
-        out,
-        num_decodes=2,
-        req_indices=torch.tensor([0, 2], dtype=torch.int32),
-        num_splits=2,
-        block_n=16,
-    )
-    rows = torch.tensor([0, 4])
-    expected = decode_attention_ref(
-        q[rows], k_cache, v_cache, block_table[[0, 2]], seq_lens[[0, 2]], 0.25
-    )
-    torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
-    assert not out[1:4].any(), "rows of other requests must not be written"
+    def attend(q, k_cache, v_cache, block_table, qsl, seq_lens, req_indices, scale, out):
+        decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            qsl,
+            seq_lens,
+            scale,
+            out,
+            num_decodes=len(req_indices),
+            req_indices=req_indices,
+            num_splits=2,
+            block_n=16,
+        )
+
+    check_decode_writes_only_selected_rows(attend)
 
 
 # (block_size, num_heads, num_kv_heads, dtype)
