@@ -30,7 +30,7 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
-# `make bench`: a quick run of the four benchmarks (under 10 minutes on 2 cores); tables,
+# `make bench`: a quick run of the benchmarks (under 10 minutes on 2 cores); tables,
 # JSON and plots land in benchmarks/results/. Full-size runs: see benchmarks/README.md.
 BENCH_STAMP := $(VENV)/.bench-installed
 
@@ -50,6 +50,7 @@ bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks.sweep --budgets 64,1024 --load-fractions 0.5,1,2 \
 		--num-requests 6 --input-len 64:256 --output-len 8:16 --num-kv-blocks 64 \
 		--max-model-len 512
+	$(PY) -m benchmarks.idle_latency -n 20
 
 # On a CUDA machine, with its own python3 (no venv): kernels, parity vs HF, throughput.
 # Results in $(OUT) or benchmarks/results/; GPU_CHECK_ARGS=--quick for a shorter run.

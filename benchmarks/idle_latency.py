@@ -1,86 +1,115 @@
-"""Time to the first chunk on an idle server: XADD -> first TokenChunk, and HTTP POST -> first
-SSE event, one request at a time (median of N), plus the offline engine's own time to first
-token for the same prompt, so the service's overhead is the difference.
+"""Time to the first chunk on an idle server against the offline engine, interleaved.
 
-    python benchmarks/idle_latency.py              # launches `kvrail serve` on a free port
-    python benchmarks/idle_latency.py -n 100 --max-tokens 1
+Three paths answer the same short prompt, one request at a time:
+- offline: `add_request` -> first token from an `LLMEngine` in this process;
+- redis: XADD -> first `TokenChunk` on the response stream (`KvrailClient`);
+- http: POST /v1/completions -> first SSE event.
+
+They run in rounds (each round one request per path, the order rotating), so a slow spell of
+a shared machine falls on all three alike; the service's overhead is the median over rounds
+of (path - offline) within the round, against the 15 ms target. `kvrail serve` is launched
+on a free port with its own Redis, as in `benchmarks.serve --launch`.
+
+    python -m benchmarks.idle_latency -n 60
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import signal
 import statistics
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 
 import httpx
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
-from engine import LLM, SamplingParams
-from queueing.client import KvrailClient
-from queueing.redis_server import EmbeddedRedis, free_port
-from queueing.schema import GenerateRequest
+from benchmarks.common import fmt, markdown_table, verdict, warm_up, write_results
+from benchmarks.serve import IDLE_TTFT_TARGET_MS, launched_server
 
-MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
-RESULTS = Path(__file__).parent / "results"
+PATHS = ("offline", "redis", "http")
 
 
-async def redis_first_chunk(url: str, n: int, max_tokens: int) -> list[float]:
-    times = []
-    async with KvrailClient(url) as client:
-        for _ in tqdm(range(n), desc="redis XADD -> first chunk"):
-            request_id = uuid.uuid4().hex
-            sampling = {"temperature": 0.0, "max_tokens": max_tokens}
-            start = time.perf_counter()
-            await client.submit(GenerateRequest(request_id, prompt=PROMPT, sampling=sampling))
-            async for _ in client.stream(request_id):
-                times.append(time.perf_counter() - start)
-                break
-            async for _ in client.stream(request_id):  # drain the rest before the next one
-                pass
-    return times
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("-n", "--rounds", type=int, default=60, help="rounds of one request per path")
+    add("--max-tokens", type=int, default=1)
+    add("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    add("--dtype", default=None, help="engine dtype, both sides")
+    add("--name", default="idle_latency", help="results/<name>.json and .md")
+    args = parser.parse_args(argv)
+    # `launched_server` passes these engine options on; idle latency keeps the defaults.
+    args.max_num_seqs = args.max_num_batched_tokens = args.kv_cache_memory_bytes = None
+    return args
 
 
-async def http_first_event(base_url: str, n: int, max_tokens: int) -> list[float]:
-    times = []
-    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": max_tokens}
-    body["stream"] = True
-    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
-        for _ in tqdm(range(n), desc="HTTP POST -> first SSE event"):
-            start = time.perf_counter()
-            first = None
-            async with http.stream("POST", "/v1/completions", json=body) as response:
-                async for line in response.aiter_lines():
-                    if first is None and line.startswith("data: "):
-                        first = time.perf_counter() - start
-            times.append(first)
-    return times
+async def measure(args: argparse.Namespace, base_url: str, redis_url: str) -> dict[str, list]:
+    """Per path, the first-chunk time of each round in seconds."""
+    from engine import LLM, SamplingParams
+    from queueing.client import KvrailClient
+    from queueing.schema import GenerateRequest
 
-
-def offline_first_token(n: int) -> list[float]:
-    llm = LLM()
+    llm = LLM(model=args.model, **({"dtype": args.dtype} if args.dtype else {}))
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    times = []
-    for i in tqdm(range(n), desc="offline add_request -> first token"):
+    warm_up(engine)
+    sampling = {"temperature": 0.0, "max_tokens": args.max_tokens}
+    params = SamplingParams(**sampling)
+    body = {"model": "kvrail", "prompt": PROMPT, "stream": True, **sampling}
+
+    async def offline() -> float:
         start = time.perf_counter()
-        engine.add_request(f"offline-{i}", PROMPT, params)
+        engine.add_request(uuid.uuid4().hex, PROMPT, params)
+        first = None
         while engine.has_unfinished_requests():
-            engine.step()
-        times.append(time.perf_counter() - start)
+            outputs = engine.step()
+            if first is None and outputs:
+                first = time.perf_counter() - start
+        return first
+
+    async def redis() -> float:
+        request_id = uuid.uuid4().hex
+        start = time.perf_counter()
+        await client.submit(GenerateRequest(request_id, prompt=PROMPT, sampling=sampling))
+        first = None
+        async for _ in client.stream(request_id):  # read to the end before the next round
+            first = first or time.perf_counter() - start
+        return first
+
+    async def http() -> float:
+        start = time.perf_counter()
+        first = None
+        async with http_client.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if first is None and line.startswith("data: "):
+                    first = time.perf_counter() - start
+        return first
+
+    senders: dict[str, Callable[[], Awaitable[float]]] = {
+        "offline": offline, "redis": redis, "http": http,
+    }  # fmt: skip
+    times: dict[str, list] = {path: [] for path in PATHS}
+    async with (
+        KvrailClient(redis_url) as client,
+        httpx.AsyncClient(base_url=base_url, timeout=60) as http_client,
+    ):
+        models = (await http_client.get("/v1/models")).json()
+        body["model"] = models["data"][0]["id"]
+        for path in PATHS:  # one unrecorded request each: connections, first-call costs
+            await senders[path]()
+        for i in tqdm(range(args.rounds), desc="rounds (offline, redis, http)"):
+            for path in PATHS[i % 3 :] + PATHS[: i % 3]:
+                times[path].append(await senders[path]())
     return times
 
 
-def summary(times: list[float]) -> dict[str, float]:
-    ms = sorted(t * 1000 for t in times)
+def summary(values_s: list[float]) -> dict[str, float]:
+    ms = sorted(v * 1e3 for v in values_s)
     return {
         "median_ms": statistics.median(ms),
         "p90_ms": ms[int(0.9 * (len(ms) - 1))],
@@ -89,55 +118,44 @@ def summary(times: list[float]) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("-n", type=int, default=100)
-    parser.add_argument("--max-tokens", type=int, default=1)
-    args = parser.parse_args()
-
-    redis = EmbeddedRedis().start()
-    port = free_port()
-    env = {**os.environ, "REDIS_URL": redis.url, "KVRAIL_LOG_LEVEL": "WARNING"}
-    kvrail = str(Path(sys.executable).parent / "kvrail")
-    serve = subprocess.Popen(
-        [kvrail, "serve", "--port", str(port)], env=env, start_new_session=True
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base_url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        results = {
-            "redis_xadd_to_first_chunk": summary(
-                asyncio.run(redis_first_chunk(redis.url, args.n, args.max_tokens))
-            ),
-            "http_post_to_first_sse_event": summary(
-                asyncio.run(http_first_event(base_url, args.n, args.max_tokens))
-            ),
-        }
-    finally:
-        os.killpg(serve.pid, signal.SIGINT)
-        serve.wait(60)
-        redis.cleanup()
-    results["offline_first_token"] = summary(offline_first_token(args.n))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "idle_latency.json").write_text(json.dumps(results, indent=2))
-    lines = ["| path | median ms | p90 ms | min ms | n |", "|---|---|---|---|---|"]
-    for name, s in results.items():
-        lines.append(
-            f"| {name} | {s['median_ms']:.2f} | {s['p90_ms']:.2f} | {s['min_ms']:.2f} | {s['n']} |"
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with launched_server(args) as (base_url, redis_url):
+        times = asyncio.run(measure(args, base_url, redis_url))
+    results = {path: summary(values) for path, values in times.items()}
+    rows = [["offline add_request -> first token", *_cells(results["offline"]), "-", "-", "-"]]
+    for path, label in (("redis", "XADD -> first chunk"), ("http", "POST -> first SSE event")):
+        paired = [(s - o) * 1e3 for s, o in zip(times[path], times["offline"], strict=True)]
+        overhead = statistics.median(paired)
+        results[path]["overhead_vs_offline_ms"] = overhead
+        rows.append(
+            [
+                f"{path}: {label}",
+                *_cells(results[path]),
+                fmt(overhead, 1),
+                f"<= {IDLE_TTFT_TARGET_MS:.0f}",
+                verdict(overhead, IDLE_TTFT_TARGET_MS, higher_is_better=False),
+            ]
         )
-    table = "\n".join(lines)
-    (RESULTS / "idle_latency.md").write_text(table + "\n")
-    print(table)
+    headers = ["path", "median ms", "p90 ms", "min ms", "n", "overhead ms", "target", "verdict"]
+    markdown = "\n".join(
+        [
+            "# Idle time to first chunk",
+            "",
+            f"Prompt {PROMPT!r}, max_tokens {args.max_tokens}, greedy; {args.rounds} rounds of"
+            " one request per path, order rotating. Overhead: the median over rounds of"
+            " (path - offline) in the same round.",
+            "",
+            markdown_table(headers, rows),
+        ]
+    )
+    write_results(args.name, {"args": vars(args), "results": results}, markdown)
+    return 0
+
+
+def _cells(s: dict[str, float]) -> list[str]:
+    return [fmt(s["median_ms"], 2), fmt(s["p90_ms"], 2), fmt(s["min_ms"], 2), str(s["n"])]
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

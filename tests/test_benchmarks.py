@@ -193,7 +193,9 @@ def test_parse_range_and_verdict():
     assert verdict(None, 1.0) == "n/a"
 
 
-@pytest.mark.parametrize("script", ["throughput", "serve", "sweep", "kv_waste", "profile_step"])
+@pytest.mark.parametrize(
+    "script", ["throughput", "serve", "sweep", "kv_waste", "profile_step", "idle_latency"]
+)
 def test_help_exits_zero(script):
     result = subprocess.run(
         [sys.executable, "-m", f"benchmarks.{script}", "--help"],

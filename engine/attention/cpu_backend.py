@@ -19,7 +19,7 @@ from engine.attention.torch_backend import (
     TorchAttentionBackend,
     TorchAttentionMetadata,
     attend_groups,
-    build_group,
+    prefill_groups,
     query_lens_of,
     write_kv,
 )
@@ -47,15 +47,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         qsl, query_lens = query_lens_of(common)
         is_decode = query_lens == 1
         decode_index = is_decode.nonzero().squeeze(1)
-        prefill_index = (~is_decode).nonzero().squeeze(1)
         seq_lens = common.seq_lens_cpu[: common.num_reqs]
-        groups = []
-        if prefill_index.numel():
-            groups.append(build_group(common, prefill_index, qsl, query_lens))
         return CpuAttentionMetadata(
             slot_mapping=common.slot_mapping[: common.num_actual_tokens].long(),
             num_actual_tokens=common.num_actual_tokens,
-            groups=groups,
+            groups=prefill_groups(common, qsl, query_lens),
             decode_req_indices=decode_index.int(),
             max_decode_seq_len=int(seq_lens[decode_index].max()) if decode_index.numel() else 0,
             query_start_loc=common.query_start_loc_cpu[: common.num_reqs + 1].contiguous(),
@@ -75,7 +71,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, metadata)
         out = torch.zeros(q.shape, dtype=k_cache.dtype)
-        attend_groups(q, k_cache, v_cache, metadata.groups, scale, out)
+        attend_groups(q, k, v, k_cache, v_cache, metadata.groups, scale, out)
         if metadata.decode_req_indices.numel():
             # Named for torch.profiler, which sees no op inside a ctypes call.
             with torch.profiler.record_function("kvrail::cpu_decode_attention"):

@@ -1,11 +1,15 @@
 """The `torch` attention backend: paged attention with plain torch ops, on any device.
 
-Requests are split into decode groups (query_len == 1, bucketed by context length so short
-contexts are not padded to the longest one) and a prefill group (query_len > 1, including
-chunked prefill over cached context). Each group is padded to a rectangle
-`[num_group_reqs, max_query_len]` of queries against `[num_group_reqs, num_blocks * block_size]`
-keys gathered through the block table, so one `scaled_dot_product_attention` call per group
-serves all its requests: no per-sequence Python loop in `forward`.
+Requests are split into groups, each served by one `scaled_dot_product_attention` call over a
+padded rectangle of queries, so `forward` has no per-sequence Python loop:
+- decodes (query_len == 1), bucketed by context length so short contexts are not padded to
+  the longest one, against keys gathered through the block table under a mask;
+- fresh prefills (nothing computed before this step, the common prefill), bucketed by prompt
+  length. Their keys are the step's own k/v at the same padded rows, so nothing is gathered
+  from the cache and no mask is built: with right padding, `is_causal` is exact for every
+  real row, and the kernel skips the upper triangle instead of computing and masking it;
+- prefills over earlier context (chunked prefill, prefix-cache hits), gathered and masked
+  like decodes.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ class AttentionGroup:
     query_index: torch.Tensor  # [S, Q] int64, flat row of each padded query (pads repeat a row)
     valid_index: torch.Tensor  # [N] int64, which of the S * Q padded rows are real tokens
     token_index: torch.Tensor  # [N] int64, the flat row each real token writes its output to
-    block_table: torch.Tensor  # [S, B] block ids covering each request's context
-    attn_mask: torch.Tensor  # [S, 1, Q, B * block_size] bool, True = may attend
+    # Fresh prefills: None for both; keys are the step's k/v at `query_index`, causal.
+    block_table: torch.Tensor | None  # [S, B] block ids covering each request's context
+    attn_mask: torch.Tensor | None  # [S, 1, Q, B * block_size] bool, True = may attend
 
 
 @dataclass
@@ -41,10 +46,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def build(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         qsl, query_lens = query_lens_of(common)
+        is_decode = query_lens == 1
         groups = [
             build_group(common, req_index, qsl, query_lens)
-            for req_index in _split_requests(common, query_lens)
+            for req_index in _decode_buckets(common, is_decode.nonzero().squeeze(1))
         ]
+        groups += prefill_groups(common, qsl, query_lens)
         return TorchAttentionMetadata(
             slot_mapping=common.slot_mapping[: common.num_actual_tokens].long(),
             num_actual_tokens=common.num_actual_tokens,
@@ -63,7 +70,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, metadata)
         out = torch.zeros_like(q)
-        attend_groups(q, k_cache, v_cache, metadata.groups, scale, out)
+        attend_groups(q, k, v, k_cache, v_cache, metadata.groups, scale, out)
         return out
 
 
@@ -85,31 +92,38 @@ def write_kv(
 
 def attend_groups(
     q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     groups: list[AttentionGroup],
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """One padded SDPA call per group over keys gathered through its block table; writes the
-    real tokens' rows of `out`."""
+    """One padded SDPA call per group, over the step's own k/v (fresh prefills) or over keys
+    gathered through its block table; writes the real tokens' rows of `out`."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[1]
     for group in groups:
         num_seqs, max_query_len = group.query_index.shape
-        context_len = group.block_table.shape[1] * block_size
-        query = q.index_select(0, group.query_index.flatten())
-        query = query.view(num_seqs, max_query_len, num_heads, head_dim).transpose(1, 2)
-        flat_blocks = group.block_table.flatten()
-        key = k_cache.index_select(0, flat_blocks).view(
-            num_seqs, context_len, num_kv_heads, head_dim
-        )
-        value = v_cache.index_select(0, flat_blocks).view_as(key)
+        rows = group.query_index.flatten()
+        query = q.index_select(0, rows).view(num_seqs, max_query_len, num_heads, head_dim)
+        if group.block_table is None:
+            key = k.index_select(0, rows).view(num_seqs, max_query_len, num_kv_heads, head_dim)
+            value = v.index_select(0, rows).view_as(key)
+        else:
+            context_len = group.block_table.shape[1] * block_size
+            flat_blocks = group.block_table.flatten()
+            key = k_cache.index_select(0, flat_blocks).view(
+                num_seqs, context_len, num_kv_heads, head_dim
+            )
+            value = v_cache.index_select(0, flat_blocks).view_as(key)
         attn = F.scaled_dot_product_attention(
-            query,
+            query.transpose(1, 2),
             key.transpose(1, 2).to(q.dtype),
             value.transpose(1, 2).to(q.dtype),
             attn_mask=group.attn_mask,
+            is_causal=group.block_table is None,
             scale=scale,
             enable_gqa=num_heads != num_kv_heads,
         )
@@ -123,24 +137,39 @@ def query_lens_of(common: CommonAttentionMetadata) -> tuple[torch.Tensor, torch.
     return qsl, qsl[1:] - qsl[:-1]
 
 
-def _split_requests(
-    common: CommonAttentionMetadata, query_lens: torch.Tensor
+def _decode_buckets(
+    common: CommonAttentionMetadata, decode_index: torch.Tensor
 ) -> list[torch.Tensor]:
-    """Request indices per group: decodes bucketed by power-of-two block counts (at most 2x
-    padding within a bucket, a handful of buckets per step), then all prefills together."""
+    """Decode request indices bucketed by power-of-two block counts: at most 2x padding
+    within a bucket, a handful of buckets per step."""
+    if not decode_index.numel():
+        return []
+    num_blocks = (common.seq_lens_cpu[decode_index].long() + common.block_size - 1) // (
+        common.block_size
+    )
+    bucket = torch.ceil(torch.log2(num_blocks.double())).long()
+    return [decode_index[bucket == b] for b in torch.unique(bucket).tolist()]
+
+
+def prefill_groups(
+    common: CommonAttentionMetadata, query_start_loc: torch.Tensor, query_lens: torch.Tensor
+) -> list[AttentionGroup]:
+    """The step's prefills (query_len > 1): fresh ones bucketed by half-octaves of their
+    length (each bucket pads to its own longest, under 2x the area of any member), then
+    those over earlier context together, masked."""
+    is_prefill = query_lens > 1
+    is_fresh = common.seq_lens_cpu[: common.num_reqs].long() == query_lens
+    fresh_index = (is_prefill & is_fresh).nonzero().squeeze(1)
     groups = []
-    is_decode = query_lens == 1
-    if is_decode.any():
-        decode_index = is_decode.nonzero().squeeze(1)
-        num_blocks = (common.seq_lens_cpu[decode_index].long() + common.block_size - 1) // (
-            common.block_size
-        )
-        bucket = torch.ceil(torch.log2(num_blocks.double())).long()
+    if fresh_index.numel():
+        bucket = torch.ceil(2 * torch.log2(query_lens[fresh_index].double())).long()
         for b in torch.unique(bucket).tolist():
-            groups.append(decode_index[bucket == b])
-    prefill_index = (~is_decode).nonzero().squeeze(1)
-    if prefill_index.numel():
-        groups.append(prefill_index)
+            groups.append(
+                build_group(common, fresh_index[bucket == b], query_start_loc, query_lens, True)
+            )
+    context_index = (is_prefill & ~is_fresh).nonzero().squeeze(1)
+    if context_index.numel():
+        groups.append(build_group(common, context_index, query_start_loc, query_lens))
     return groups
 
 
@@ -149,11 +178,10 @@ def build_group(
     req_index: torch.Tensor,
     query_start_loc: torch.Tensor,
     query_lens: torch.Tensor,
+    is_fresh_prefill: bool = False,
 ) -> AttentionGroup:
     device = common.block_table.device
     query_lens = query_lens[req_index]
-    seq_lens = common.seq_lens_cpu[req_index].long()
-    num_computed_tokens = seq_lens - query_lens
     max_query_len = int(query_lens.max())
     offsets = torch.arange(max_query_len)
     valid = offsets[None, :] < query_lens[:, None]
@@ -162,19 +190,25 @@ def build_group(
         offsets[None, :], query_lens[:, None] - 1
     )
     valid_index = valid.flatten().nonzero().squeeze(1)
-    num_blocks = -(-int(seq_lens.max()) // common.block_size)
-    key_pos = torch.arange(num_blocks * common.block_size)
-    # Pad rows (offset >= query_len) see the whole context, so no row is fully masked (NaN).
-    attn_mask = (key_pos[None, None, :] < seq_lens[:, None, None]) & (
-        key_pos[None, None, :] <= (num_computed_tokens[:, None] + offsets[None, :])[:, :, None]
-    )
-    # Table entries past a request's last block are never attended to, only gathered:
-    # clamp so padding values such as -1 still index a real block.
-    block_table = common.block_table.index_select(0, req_index.to(device))[:, :num_blocks]
+    block_table = attn_mask = None
+    if not is_fresh_prefill:
+        seq_lens = common.seq_lens_cpu[req_index].long()
+        num_computed_tokens = seq_lens - query_lens
+        num_blocks = -(-int(seq_lens.max()) // common.block_size)
+        key_pos = torch.arange(num_blocks * common.block_size)
+        # Pad rows (offset >= query_len) see the whole context, so no row is fully masked.
+        mask = (key_pos[None, None, :] < seq_lens[:, None, None]) & (
+            key_pos[None, None, :] <= (num_computed_tokens[:, None] + offsets[None, :])[:, :, None]
+        )
+        attn_mask = mask[:, None].to(device)
+        # Table entries past a request's last block are never attended to, only gathered:
+        # clamp so padding values such as -1 still index a real block.
+        block_table = common.block_table.index_select(0, req_index.to(device))[:, :num_blocks]
+        block_table = block_table.long().clamp_(min=0)
     return AttentionGroup(
         query_index=query_index.to(device),
         valid_index=valid_index.to(device),
         token_index=query_index.flatten()[valid_index].to(device),
-        block_table=block_table.long().clamp_(min=0),
-        attn_mask=attn_mask[:, None].to(device),
+        block_table=block_table,
+        attn_mask=attn_mask,
     )

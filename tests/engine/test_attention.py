@@ -137,11 +137,19 @@ def test_block_written_in_step_is_read_by_other_request(backend_name):
 
 def test_only_prefill_or_only_decode_batches():
     backend = get_attn_backend("torch")
-    # Decodes are bucketed by power-of-two block counts: 1 block, 2 blocks, then 3-4 blocks.
-    for reqs, num_groups in (([(5, 1), (31, 1), (40, 1), (60, 1)], 3), ([(0, 4), (9, 6)], 1)):
+    cases = (
+        # Decodes are bucketed by power-of-two block counts: 1 block, 2 blocks, 3-4 blocks.
+        ([(5, 1), (31, 1), (40, 1), (60, 1)], 3, 0),
+        # Fresh prefills by half-octaves of length (3 and 4 together, 30 alone), attending to
+        # their own k/v with no mask; a prefill over cached context in a masked group.
+        ([(0, 3), (0, 4), (0, 30), (9, 6)], 3, 2),
+    )
+    for reqs, num_groups, num_fresh in cases:
         q, k, v, k_cache, v_cache, common, qs, contexts = make_step(reqs, 4, 2, 16, seed=1)
         metadata = backend.build(common)
         assert len(metadata.groups) == num_groups
+        fresh = [g for g in metadata.groups if g.block_table is None]
+        assert len(fresh) == num_fresh and all(g.attn_mask is None for g in fresh)
         out = backend.forward(q, k, v, k_cache, v_cache, metadata, 0.25)
         expected = expected_outputs(qs, contexts, 0.25)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

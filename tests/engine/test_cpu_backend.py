@@ -26,9 +26,11 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size,num_heads,num_kv_heads", [(8, 4, 4), (16, 6, 2), (16, 9, 3)])
-def test_kernel_matches_reference(dtype, block_size, num_heads, num_kv_heads):
+# 64 and 128 have their own compiled instances; any other size takes the generic one.
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])
+def test_kernel_matches_reference(dtype, block_size, num_heads, num_kv_heads, head_dim):
     q, k_cache, v_cache, block_table, query_start_loc, seq_lens = decode_inputs(
-        block_size, num_heads, num_kv_heads, dtype, long_blocks=5
+        block_size, num_heads, num_kv_heads, dtype, long_blocks=5, head_dim=head_dim
     )
     out = torch.full_like(q, float("nan"))
     every_request = torch.arange(len(seq_lens), dtype=torch.int32)

@@ -24,12 +24,12 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3,
 DTYPES = [torch.float32, torch.float16]
 
 
-def paged_cache(seq_lens, block_size, num_kv_heads, dtype, seed=0):
+def paged_cache(seq_lens, block_size, num_kv_heads, dtype, seed=0, head_dim=HEAD_DIM):
     """Random caches and a block table of scattered, non-adjacent blocks for `seq_lens`."""
     gen = torch.Generator().manual_seed(seed)
     max_blocks = max(-(-s // block_size) for s in seq_lens) + 1
     num_blocks = len(seq_lens) * max_blocks + 2
-    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     perm = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * max_blocks]
@@ -64,12 +64,14 @@ DECODE_CASES = [
 ]
 
 
-def decode_inputs(block_size, num_heads, num_kv_heads, dtype, long_blocks=2):
+def decode_inputs(block_size, num_heads, num_kv_heads, dtype, long_blocks=2, head_dim=HEAD_DIM):
     """One query per request over contexts that end mid-block, on a block edge, a single
     token, an empty (padded) one (request 3) and a long one; `out` starts as NaN."""
     seq_lens = [37, block_size, 1, 0, long_blocks * block_size + 3]
-    k_cache, v_cache, block_table = paged_cache(seq_lens, block_size, num_kv_heads, dtype)
-    q = torch.randn(len(seq_lens), num_heads, HEAD_DIM).to(dtype)
+    k_cache, v_cache, block_table = paged_cache(
+        seq_lens, block_size, num_kv_heads, dtype, head_dim=head_dim
+    )
+    q = torch.randn(len(seq_lens), num_heads, head_dim).to(dtype)
     query_start_loc = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
     return q, k_cache, v_cache, block_table, query_start_loc, seq_lens
