@@ -50,12 +50,10 @@ def _on_signals(callback) -> None:
 
 
 async def _load_worker(args: argparse.Namespace, redis_url: str):
-    from engine import LLMEngine
+    from service.engine_thread import load_engine
     from service.worker import Worker
 
-    engine = await asyncio.to_thread(
-        LLMEngine.from_kwargs, model=args.model, **_engine_kwargs(args)
-    )
+    engine = await load_engine(model=args.model, **_engine_kwargs(args))
     return Worker(engine, redis_url, args.name, model_name=getattr(args, "served_model_name", None))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 
 import msgpack
@@ -18,6 +19,7 @@ from engine import LLM, LLMEngine, SamplingParams
 from queueing import streams
 from queueing.schema import Abort, GenerateRequest, TokenChunk, WorkerInfo, keys
 from service import metrics
+from service.engine_thread import load_engine
 from service.worker import Worker
 from tests.engine.tiny_models import make_tiny_model
 
@@ -271,3 +273,15 @@ async def test_engine_fault_and_running_deadline_fail_only_their_requests(
     [(_, dead)] = await redis.xrange(keys.dead)
     assert dead[b"reason"] == b"engine error: injected fault"
     assert await num_pending(redis) == 0
+
+
+async def test_load_engine_builds_in_a_thread_that_has_ended(model_dir):
+    # A loader thread left alive keeps an OpenMP pool that slows the engine thread's steps.
+    before = set(threading.enumerate())
+    engine = await load_engine(model=model_dir, dtype="float32", num_kv_blocks=16)
+    assert set(threading.enumerate()) == before
+    assert isinstance(engine, LLMEngine) and engine.config.num_kv_blocks == 16
+    assert engine.engine_core.scheduler.kv_cache_manager.get_num_blocks_in_use() == 0
+    with pytest.raises(ValueError, match="unknown engine option"):
+        await load_engine(model=model_dir, no_such_option=1)
+    assert set(threading.enumerate()) == before
