@@ -46,7 +46,7 @@ bench: $(BENCH_STAMP)
 		--serial-requests 2 --static-requests 16
 	$(PY) -m benchmarks.serve --launch --backend http --num-requests 16 \
 		--input-len 64:256 --output-len 32:64 --request-rate 4 --max-concurrency 8 \
-		--offline-baseline
+		--offline-baseline --rounds 3
 	$(PY) -m benchmarks.sweep --budgets 64,1024 --load-fractions 0.5,1,2 \
 		--num-requests 6 --input-len 64:256 --output-len 8:16 --num-kv-blocks 64 \
 		--max-model-len 512

@@ -7,9 +7,10 @@ TPOT, ITL and end-to-end latency (mean, median, p99) and failed requests.
 
 `--launch` starts `kvrail serve` (with its own Redis) and stops it afterwards; otherwise
 the script targets `--base-url` (http) or `--redis-url` (redis). `--offline-baseline`
-then runs the same workload at the same arrivals and concurrency through the offline
-`LLMEngine` in this process, and probes idle TTFT on both sides, so the service's
-overhead shows as ratios from one run.
+runs the same workload at the same arrivals and concurrency through an offline `LLMEngine`
+in this process right after each service load (the server idles meanwhile), and probes
+idle TTFT on both sides, so the service's overhead shows as ratios from one run.
+`--rounds N` repeats the pair with N seeds; the verdict takes the median round's ratio.
 
     python -m benchmarks.serve --launch --backend http --request-rate 4 --offline-baseline
 """
@@ -23,6 +24,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--max-concurrency", type=int, default=None)
     add("--offline-baseline", action="store_true", help="also run the offline engine")
     add("--idle-probes", type=int, default=5, help="one-at-a-time requests for idle TTFT")
+    add("--rounds", type=int, default=1, help="loads, each with its own seed (+ baseline)")
     add("--name", default=None, help="results/<name>.json and .md (default serve-<backend>)")
     args = parser.parse_args(argv)
     args.name = args.name or f"serve-{args.backend}"
@@ -227,69 +230,74 @@ async def run_probes(send: Sender, probes: list[BenchRequest]) -> list[RequestTi
     return [await send(probe) for probe in probes][1:]
 
 
-async def measure_service(
-    args: argparse.Namespace,
-    base_url: str,
-    redis_url: str | None,
-    workload: list[BenchRequest],
-    probes: list[BenchRequest],
-) -> dict[str, Any]:
-    """Idle probes, then the load, through the chosen backend."""
-    offsets = arrival_offsets(len(workload), args.request_rate, args.burstiness, args.seed)
+@contextlib.asynccontextmanager
+async def sender(args: argparse.Namespace, base_url: str, redis_url: str | None):
+    """The chosen backend's `send(request) -> RequestTiming`, over one client."""
     if args.backend == "http":
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
             model_name = (await client.get("/v1/models")).json()["data"][0]["id"]
-            return await _measure(
-                lambda r: send_http(client, model_name, r), args, workload, offsets, probes
-            )
+            yield lambda r: send_http(client, model_name, r)
+        return
     from queueing.client import KvrailClient
 
     async with KvrailClient(redis_url) as client:
-        return await _measure(lambda r: send_redis(client, r), args, workload, offsets, probes)
+        yield lambda r: send_redis(client, r)
 
 
-async def _measure(
-    send: Sender,
+async def measure(
     args: argparse.Namespace,
-    workload: list[BenchRequest],
-    offsets: list[float],
+    base_url: str,
+    redis_url: str | None,
+    workloads: list[list[BenchRequest]],
     probes: list[BenchRequest],
+    engine: Any | None,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Idle probes, then one load per round through the service and, when `engine` (the
+    offline baseline) is given, the same load through it right after, while the server idles:
+    a shared machine's slow spells then fall on both sides of a round alike."""
+    async with sender(args, base_url, redis_url) as send:
+        idle = await run_probes(send, probes)
+        offline_idle = None
+        if engine is not None:
+            warm_up(engine)
+            offline_idle = [run_timed_offline(engine, [p], [0.0])[0][0] for p in probes][1:]
+        service_runs, offline_runs = [], []
+        for i, workload in enumerate(workloads):
+            offsets = arrival_offsets(
+                len(workload), args.request_rate, args.burstiness, args.seed + i
+            )
+            service_runs.append(await run_load(send, workload, offsets, args.max_concurrency))
+            if engine is not None:
+                with tqdm(total=len(workload), desc="offline baseline") as bar:
+                    offline_runs.append(
+                        run_timed_offline(engine, workload, offsets, args.max_concurrency, bar)
+                    )
+    service = summarize_rounds(idle, service_runs)
+    service["errors"] = sorted({t.error for ts, _ in service_runs for t in ts if t.error})[:5]
+    offline = summarize_rounds(offline_idle, offline_runs) if engine is not None else None
+    return service, offline
+
+
+def summarize_rounds(
+    idle: list[RequestTiming], runs: list[tuple[list[RequestTiming], float]]
 ) -> dict[str, Any]:
-    """Idle TTFT from the probes, then the load; the first few distinct errors are kept."""
-    idle = await run_probes(send, probes)
-    timings, duration = await run_load(send, workload, offsets, args.max_concurrency)
-    errors = sorted({t.error for t in timings if t.error})[:5]
+    """Idle TTFT, the rounds' requests and durations pooled, and each round on its own."""
+    pooled = [t for timings, _ in runs for t in timings]
     return {
         "idle": summarize_timings(idle, 1.0)["ttft"],
-        "load": summarize_timings(timings, duration),
-        "errors": errors,
-    }
-
-
-def measure_offline(
-    args: argparse.Namespace, workload: list[BenchRequest], probes: list[BenchRequest]
-) -> dict[str, Any]:
-    """The same probes and load through the offline `LLMEngine`, driven by arrival times."""
-    from engine import LLMEngine
-
-    engine = LLMEngine.from_kwargs(model=args.model, **engine_options(args))
-    warm_up(engine)
-    idle = [run_timed_offline(engine, [probe], [0.0])[0][0] for probe in probes][1:]
-    offsets = arrival_offsets(len(workload), args.request_rate, args.burstiness, args.seed)
-    with tqdm(total=len(workload), desc="offline baseline") as bar:
-        timings, duration = run_timed_offline(
-            engine, workload, offsets, args.max_concurrency, progress=bar
-        )
-    return {
-        "idle": summarize_timings(idle, 1.0)["ttft"],
-        "load": summarize_timings(timings, duration),
+        "load": summarize_timings(pooled, sum(duration for _, duration in runs)),
+        "rounds": [summarize_timings(timings, duration) for timings, duration in runs],
     }
 
 
 def comparison_rows(service: dict[str, Any], offline: dict[str, Any]) -> list[list[str]]:
-    """Service against offline: the throughput ratio and the idle TTFT difference."""
-    ratio = service["load"]["output_throughput"] / offline["load"]["output_throughput"]
+    """Service against offline: the median over rounds of the output throughput ratio, and
+    the idle TTFT difference."""
+    ratio = statistics.median(
+        s["output_throughput"] / o["output_throughput"]
+        for s, o in zip(service["rounds"], offline["rounds"], strict=True)
+    )
     ttft_gap = service["idle"]["median_ms"] - offline["idle"]["median_ms"]
     return [
         [
@@ -349,6 +357,13 @@ def report(
                 comparison_rows(service, offline),
             ),
             "",
+            "Output tok/s service/offline per round: "
+            + ", ".join(
+                f"{s['output_throughput'] / o['output_throughput']:.1%}"
+                for s, o in zip(service["rounds"], offline["rounds"], strict=True)
+            )
+            + " (the ratio above is their median; the tok/s columns pool the rounds).",
+            "",
             markdown_table(
                 ["offline latency", "mean", "median", "p99"], latency_rows(offline["load"])
             ),
@@ -361,18 +376,26 @@ def main(argv: list[str] | None = None) -> int:
     from engine.loader import load_tokenizer, resolve_model
 
     tokens = corpus_token_ids(load_tokenizer(resolve_model(args.model)))
-    workload = make_workload(tokens, args.num_requests, args.input_len, args.output_len, args.seed)
+    workloads = [
+        make_workload(tokens, args.num_requests, args.input_len, args.output_len, args.seed + i)
+        for i in range(args.rounds)
+    ]
     # Probes use other prompts than the load, so neither side gets prefix-cache hits from them.
     probes = make_workload(tokens, args.idle_probes + 1, args.input_len, (8, 8), args.seed + 1000)
+    engine = None
+    if args.offline_baseline:
+        from engine import LLMEngine
+
+        engine = LLMEngine.from_kwargs(model=args.model, **engine_options(args))
     if args.launch:
         with launched_server(args) as (base_url, redis_url):
-            service = asyncio.run(measure_service(args, base_url, redis_url, workload, probes))
+            service, offline = asyncio.run(
+                measure(args, base_url, redis_url, workloads, probes, engine)
+            )
     else:
-        service = asyncio.run(
-            measure_service(args, args.base_url, args.redis_url, workload, probes)
+        service, offline = asyncio.run(
+            measure(args, args.base_url, args.redis_url, workloads, probes, engine)
         )
-    # After the server stopped (with --launch): the baseline does not share the CPU with it.
-    offline = measure_offline(args, workload, probes) if args.offline_baseline else None
     payload = {"args": vars(args), "service": service, "offline": offline}
     write_results(args.name, payload, report(args, service, offline))
     return 0
