@@ -47,8 +47,8 @@ bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks.serve --launch --backend http --num-requests 16 \
 		--input-len 64:256 --output-len 32:64 --request-rate 4 --max-concurrency 8 \
 		--offline-baseline --rounds 3
-	$(PY) -m benchmarks.sweep --budgets 64,1024 --load-fractions 0.5,1,2 \
-		--num-requests 6 --input-len 64:256 --output-len 8:16 --num-kv-blocks 64 \
+	$(PY) -m benchmarks.sweep --budgets 64,2048 --load-fractions 0.25,1,2.5 \
+		--num-requests 24 --input-len 64:256 --output-len 16:48 --num-kv-blocks 96 \
 		--max-model-len 512
 	$(PY) -m benchmarks.idle_latency -n 20
 
