@@ -180,6 +180,8 @@ def build_group(
     query_lens: torch.Tensor,
     is_fresh_prefill: bool = False,
 ) -> AttentionGroup:
+    """One padded group of requests `req_index`; a fresh-prefill group needs no block table
+    or mask (its keys are its own queries' k/v, attended with `is_causal`)."""
     device = common.block_table.device
     query_lens = query_lens[req_index]
     max_query_len = int(query_lens.max())
