@@ -18,15 +18,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
-import uuid
 from collections.abc import Awaitable, Callable
 
 import httpx
 from tqdm.auto import tqdm
 
-from benchmarks.common import fmt, markdown_table, verdict, warm_up, write_results
-from benchmarks.serve import IDLE_TTFT_TARGET_MS, launched_server
+from benchmarks.common import (
+    BenchRequest,
+    RequestTiming,
+    fmt,
+    markdown_table,
+    run_timed_offline,
+    verdict,
+    warm_up,
+    write_results,
+)
+from benchmarks.serve import IDLE_TTFT_TARGET_MS, launched_server, send_http, send_redis
 
 PROMPT = "The capital of France is"
 PATHS = ("offline", "redis", "http")
@@ -49,62 +56,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def measure(args: argparse.Namespace, base_url: str, redis_url: str) -> dict[str, list]:
-    """Per path, the first-chunk time of each round in seconds."""
-    from engine import LLM, SamplingParams
+    """Per path, the first-chunk time of each round in seconds, timed as `benchmarks.serve`
+    times its requests (`run_timed_offline`, `send_redis`, `send_http`)."""
+    from engine import LLM
     from queueing.client import KvrailClient
-    from queueing.schema import GenerateRequest
 
-    llm = LLM(model=args.model, **({"dtype": args.dtype} if args.dtype else {}))
-    engine = llm.llm_engine
+    engine = LLM(model=args.model, **({"dtype": args.dtype} if args.dtype else {})).llm_engine
     warm_up(engine)
-    sampling = {"temperature": 0.0, "max_tokens": args.max_tokens}
-    params = SamplingParams(**sampling)
-    body = {"model": "kvrail", "prompt": PROMPT, "stream": True, **sampling}
+    _, prompt_token_ids = engine.tokenize_prompt(PROMPT)
 
-    async def offline() -> float:
-        start = time.perf_counter()
-        engine.add_request(uuid.uuid4().hex, PROMPT, params)
-        first = None
-        while engine.has_unfinished_requests():
-            outputs = engine.step()
-            if first is None and outputs:
-                first = time.perf_counter() - start
-        return first
+    async def offline(request: BenchRequest) -> RequestTiming:
+        return run_timed_offline(engine, [request], [0.0])[0][0]
 
-    async def redis() -> float:
-        request_id = uuid.uuid4().hex
-        start = time.perf_counter()
-        await client.submit(GenerateRequest(request_id, prompt=PROMPT, sampling=sampling))
-        first = None
-        async for _ in client.stream(request_id):  # read to the end before the next round
-            first = first or time.perf_counter() - start
-        return first
-
-    async def http() -> float:
-        start = time.perf_counter()
-        first = None
-        async with http_client.stream("POST", "/v1/completions", json=body) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if first is None and line.startswith("data: "):
-                    first = time.perf_counter() - start
-        return first
-
-    senders: dict[str, Callable[[], Awaitable[float]]] = {
-        "offline": offline, "redis": redis, "http": http,
-    }  # fmt: skip
     times: dict[str, list] = {path: [] for path in PATHS}
     async with (
         KvrailClient(redis_url) as client,
         httpx.AsyncClient(base_url=base_url, timeout=60) as http_client,
     ):
-        models = (await http_client.get("/v1/models")).json()
-        body["model"] = models["data"][0]["id"]
-        for path in PATHS:  # one unrecorded request each: connections, first-call costs
-            await senders[path]()
-        for i in tqdm(range(args.rounds), desc="rounds (offline, redis, http)"):
+        model_name = (await http_client.get("/v1/models")).json()["data"][0]["id"]
+        senders: dict[str, Callable[[BenchRequest], Awaitable[RequestTiming]]] = {
+            "offline": offline,
+            "redis": lambda r: send_redis(client, r),
+            "http": lambda r: send_http(http_client, model_name, r),
+        }
+        # Round -1 is not recorded: connections, first-call costs.
+        for i in tqdm(range(-1, args.rounds), desc="rounds (offline, redis, http)"):
+            request = BenchRequest(f"idle-{i}", prompt_token_ids, args.max_tokens)
             for path in PATHS[i % 3 :] + PATHS[: i % 3]:
-                times[path].append(await senders[path]())
+                timing = await senders[path](request)
+                if not timing.ok:
+                    raise RuntimeError(f"{path} request failed: {timing.error}")
+                if i >= 0:
+                    times[path].append(timing.ttft)
     return times
 
 
@@ -142,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         [
             "# Idle time to first chunk",
             "",
-            f"Prompt {PROMPT!r}, max_tokens {args.max_tokens}, greedy; {args.rounds} rounds of"
+            f"Prompt {PROMPT!r}, max_tokens {args.max_tokens}, greedy, EOS ignored;"
+            f" {args.rounds} rounds of"
             " one request per path, order rotating. Overhead: the median over rounds of"
             " (path - offline) in the same round.",
             "",

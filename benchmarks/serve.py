@@ -291,13 +291,18 @@ def summarize_rounds(
     }
 
 
+def round_ratios(service: dict[str, Any], offline: dict[str, Any]) -> list[float]:
+    """Each round's service/offline output throughput."""
+    return [
+        s["output_throughput"] / o["output_throughput"]
+        for s, o in zip(service["rounds"], offline["rounds"], strict=True)
+    ]
+
+
 def comparison_rows(service: dict[str, Any], offline: dict[str, Any]) -> list[list[str]]:
     """Service against offline: the median over rounds of the output throughput ratio, and
     the idle TTFT difference."""
-    ratio = statistics.median(
-        s["output_throughput"] / o["output_throughput"]
-        for s, o in zip(service["rounds"], offline["rounds"], strict=True)
-    )
+    ratio = statistics.median(round_ratios(service, offline))
     ttft_gap = service["idle"]["median_ms"] - offline["idle"]["median_ms"]
     return [
         [
@@ -358,10 +363,7 @@ def report(
             ),
             "",
             "Output tok/s service/offline per round: "
-            + ", ".join(
-                f"{s['output_throughput'] / o['output_throughput']:.1%}"
-                for s, o in zip(service["rounds"], offline["rounds"], strict=True)
-            )
+            + ", ".join(f"{r:.1%}" for r in round_ratios(service, offline))
             + " (the ratio above is their median; the tok/s columns pool the rounds).",
             "",
             markdown_table(
