@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8", "fp8")  # W8A8 int8 (CPU and CUDA); fp8 weights (CUDA with fp8 only)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto = the model dtype; fp8 = e4m3 with scales
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,8 @@ class EngineConfig:
     seed: int = 0
     # auto = triton on CUDA, cpu (the C decode kernel) on a CPU with a C compiler, else torch
     attention_backend: str = "auto"
+    quantization: str | None = None  # None = weights in `dtype`; see QUANTIZATIONS
+    kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
     # Cache
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # exactly this many blocks when set
@@ -38,6 +42,16 @@ class EngineConfig:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
         check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}")
+        check(
+            self.quantization is None or self.quantization in QUANTIZATIONS,
+            "quantization",
+            f"must be None or one of {QUANTIZATIONS}",
+        )
+        check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"must be one of {KV_CACHE_DTYPES}",
+        )
         check(self.block_size in (8, 16, 32), "block_size", "must be 8, 16 or 32")
         check(
             self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", "must be >= 2"
