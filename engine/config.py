@@ -27,7 +27,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30  # otherwise the pool is sized from this budget (CPU)
     # CUDA: the pool takes this share of device memory, minus weights and profiled activations.
     gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False  # CUDA: no decode CUDA graphs
+    enforce_eager: bool = False  # no decode graphs (CUDA graphs, or CPU graphs of C kernels)
     enable_prefix_caching: bool = True
     # Scheduler
     max_num_seqs: int = 128  # running requests at once

@@ -16,6 +16,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from engine.calibration import calibration_token_ids
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_core import EngineCore
@@ -65,7 +66,12 @@ class LLMEngine:
         self.config = config
         model_dir = resolve_model(config.model)
         self.tokenizer = load_tokenizer(model_dir)
-        self.engine_core = EngineCore(config, model_dir, self.tokenizer.eos_token_id)
+        self.engine_core = EngineCore(
+            config,
+            model_dir,
+            self.tokenizer.eos_token_id,
+            calibration_token_ids(self.tokenizer),
+        )
         self.max_model_len = self.engine_core.max_model_len
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, str] = {}

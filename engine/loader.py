@@ -25,7 +25,9 @@ from transformers.initialization import no_init_weights
 
 from engine import envs
 from engine.attention import AttentionBackend
+from engine.models.layers import LinearMethod
 from engine.models.llama import SUPPORTED_ARCHITECTURES, LlamaForCausalLM
+from engine.quantization import load_quantized
 
 logger = logging.getLogger("kvrail.loader")
 
@@ -61,9 +63,16 @@ def served_model_name(model: str | os.PathLike[str] | None) -> str:
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, attn_backend: AttentionBackend
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_backend: AttentionBackend,
+    method: LinearMethod,
+    quantized: Path | None = None,
 ) -> tuple[LlamaForCausalLM, PretrainedConfig]:
-    """Build the model in `dtype` on `device` and stream the folder's safetensors into it."""
+    """Build the model in `dtype` on `device`, its linear layers as `method` says, and stream
+    the folder's safetensors into it; or, given `quantized` (a folder of
+    `engine.quantization`'s cache), load that already quantized state instead."""
     start = time.perf_counter()
     config = AutoConfig.from_pretrained(model_dir)
     _check_architecture(config.architectures, model_dir)
@@ -72,18 +81,23 @@ def load_model(
         raise ValueError(f"model folder {str(model_dir)!r} has no *.safetensors files")
     # Every parameter comes from the checkpoint: skip the random init (~1.5 s at 135M params).
     with _default_dtype(dtype), torch.device(device), no_init_weights():
-        model = LlamaForCausalLM(config, attn_backend)
-    model.load_weights(_iter_safetensors(files, torch.device(device)))
+        model = LlamaForCausalLM(config, attn_backend, method)
+    if quantized is not None:
+        load_quantized(model, quantized, torch.device(device))
+    else:
+        model.load_weights(_iter_safetensors(files, torch.device(device)))
     model.eval()
     _warn_sliding_window(config)
     num_params = sum(p.numel() for p in model.parameters())
+    num_params += sum(b.numel() for n, b in model.named_buffers() if n.endswith("weight_q"))
     logger.info(
-        "loaded %s (%.1fM params, %s, %s) from %s in %.2f s",
+        "loaded %s (%.1fM params, %s, %s weights, %s) from %s in %.2f s",
         config.architectures[0],
         num_params / 1e6,
         dtype,
+        method.name,
         device,
-        model_dir,
+        quantized or model_dir,
         time.perf_counter() - start,
     )
     return model, config

@@ -4,18 +4,21 @@ It keeps its own copy of each live request (token ids, block table) in persisten
 arrays, updated from the scheduler's per-step diffs, so a step's inputs are built with a
 few vectorised gathers instead of per-token Python work. On CUDA the KV pool is sized from
 free device memory after a profiling forward, host-to-device copies are pinned and
-asynchronous, and all-decode steps replay CUDA graphs (`engine/cuda_graphs.py`).
+asynchronous. All-decode steps replay graphs (`engine/decode_graphs.py`): CUDA graphs, or on the
+CPU graphs of the C kernels.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from engine import quantization
 from engine.attention import (
     CommonAttentionMetadata,
     default_attn_backend,
@@ -23,8 +26,15 @@ from engine.attention import (
     set_forward_context,
 )
 from engine.config import EngineConfig
-from engine.cuda_graphs import DecodeCudaGraphs
+from engine.decode_graphs import (
+    CPU_GRAPH_MAX_BATCH,
+    CpuDecodeGraphs,
+    CudaDecodeGraphs,
+    DecodeGraphs,
+    capture_sizes,
+)
 from engine.loader import load_model
+from engine.models.layers import model_kernels
 from engine.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from engine.request import SamplingParams
 from engine.sampler import Sampler, SamplingMetadata
@@ -72,6 +82,7 @@ class ModelRunner:
         model_dir: Path,
         max_model_len: int | None,
         eos_token_id: int | None,
+        calibration_token_ids: list[int],
     ) -> None:
         self.config = config
         self.eos_token_id = eos_token_id
@@ -82,14 +93,8 @@ class ModelRunner:
             backend = default_attn_backend(self.device, self.dtype)
         self.attn_backend = get_attn_backend(backend)
         torch.manual_seed(config.seed)
-        self.model, self.hf_config = load_model(
-            model_dir, self.dtype, self.device, self.attn_backend
-        )
-        self.vocab_size = self.hf_config.vocab_size
-        self.max_model_len = max_model_len or min(
-            getattr(self.hf_config, "max_position_embeddings", 8192), 8192
-        )
         self.block_size = config.block_size
+        self._load_model(model_dir, max_model_len, calibration_token_ids)
         self.max_num_reqs = config.max_num_seqs
         self.max_num_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.requests: dict[str, CachedRequestState] = {}
@@ -100,7 +105,51 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.cuda_graphs: DecodeCudaGraphs | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def _load_model(
+        self, model_dir: Path, max_model_len: int | None, calibration_token_ids: list[int]
+    ) -> None:
+        """Load the model; with `quantization`, from the quantized cache, or calibrate on
+        `calibration_token_ids`, quantize and fill the cache."""
+        method = quantization.get_linear_method(
+            self.config.quantization, model_kernels(self.attn_backend.name), self.device
+        )
+        cached = None
+        if self.config.quantization is not None:
+            cached = quantization.cache_dir(
+                model_dir, self.config.quantization, calibration_token_ids
+            )
+        hit = cached is not None and quantization.is_cached(cached)
+        self.model, self.hf_config = load_model(
+            model_dir, self.dtype, self.device, self.attn_backend, method, cached if hit else None
+        )
+        self.vocab_size = self.hf_config.vocab_size
+        self.max_model_len = max_model_len or min(
+            getattr(self.hf_config, "max_position_embeddings", 8192), 8192
+        )
+        if cached is not None and not hit:
+            start = time.perf_counter()
+            quantization.quantize_model(
+                self.model,
+                lambda: self.model.compute_logits(self._prefill_forward(calibration_token_ids)),
+            )
+            quantization.save_quantized(self.model, cached)
+            logger.info(
+                "quantized to %s in %.1f s (cached in %s)",
+                self.config.quantization,
+                time.perf_counter() - start,
+                cached,
+            )
+        self.model.process_weights()
+
+    @torch.inference_mode()
+    def _prefill_forward(self, token_ids: list[int]) -> torch.Tensor:
+        """The model over `token_ids` as fresh prompts, on a scratch KV cache."""
+        positions, common = self._dummy_prefill(len(token_ids))
+        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        with set_forward_context(self.attn_backend.build(common)):
+            return self.model(input_ids, positions)
 
     def num_kv_blocks_for(self, memory_bytes: int) -> int:
         return memory_bytes // self.model.get_kv_cache_spec().bytes_per_block(self.block_size)
@@ -195,20 +244,19 @@ class ModelRunner:
             num_bytes / 2**20,
             spec.dtype,
         )
-        if (
-            self.device.type == "cuda"
-            and self.attn_backend.name == "triton"
-            and not self.config.enforce_eager
-        ):
-            self.cuda_graphs = DecodeCudaGraphs(
-                self.model,
-                self.attn_backend,
-                self.max_num_reqs,
-                self.max_num_blocks_per_req,
-                self.block_size,
-                self.device,
+        if self.config.enforce_eager:
+            return
+        graphs_args = (self.max_num_blocks_per_req, self.block_size, self.device)
+        if self.device.type == "cuda" and self.attn_backend.name == "triton":
+            sizes = capture_sizes(self.max_num_reqs)
+            self.decode_graphs = CudaDecodeGraphs(
+                self.model, self.attn_backend, sizes, *graphs_args
             )
-            self.cuda_graphs.capture()
+        elif self.attn_backend.name == "cpu":
+            sizes = [s for s in capture_sizes(self.max_num_reqs) if s <= CPU_GRAPH_MAX_BATCH]
+            self.decode_graphs = CpuDecodeGraphs(self.model, self.attn_backend, sizes, *graphs_args)
+        if self.decode_graphs is not None:
+            self.decode_graphs.capture()
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """Host array -> device tensor; on CUDA through pinned memory, without a host sync."""
@@ -302,8 +350,8 @@ class ModelRunner:
         input_ids, positions, common, is_sampling, logits_indices = self._prepare_inputs(
             scheduler_output, req_ids
         )
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(common):
-            hidden_states = self.cuda_graphs.run(input_ids, positions, common)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(common):
+            hidden_states = self.decode_graphs.run(input_ids, positions, common)
         else:
             with set_forward_context(self.attn_backend.build(common)):
                 hidden_states = self.model(input_ids, positions)

@@ -18,6 +18,8 @@ from engine import envs
 ENGINE_OPTIONS = {
     "device": str,
     "dtype": str,
+    "quantization": str,
+    "kv_cache_dtype": str,
     "max_num_seqs": int,
     "max_waiting_requests": int,
     "max_num_batched_tokens": int,

@@ -120,14 +120,14 @@ def get_attn_backend(name: str) -> AttentionBackend:
 
 
 def default_attn_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """`auto`: Triton kernels on CUDA; on the CPU the C decode kernel when its dtype is
-    supported and a C compiler is there to build it; the plain torch backend otherwise."""
+    """`auto`: Triton kernels on CUDA; on the CPU the C kernels when the dtype is supported
+    and a C compiler is there to build them; the plain torch backend otherwise."""
     if device.type == "cuda":
         return "triton"
-    from engine.kernels import cpu_decode_attention
+    from engine.kernels import cpu_build, cpu_decode_attention
 
     supported = device.type == "cpu" and dtype in cpu_decode_attention.SUPPORTED_DTYPES
-    return "cpu" if supported and cpu_decode_attention.compiler() is not None else "torch"
+    return "cpu" if supported and cpu_build.compiler() is not None else "torch"
 
 
 @dataclass

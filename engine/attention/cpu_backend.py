@@ -21,9 +21,9 @@ from engine.attention.torch_backend import (
     attend_groups,
     prefill_groups,
     query_lens_of,
-    write_kv,
 )
-from engine.kernels import cpu_decode_attention
+from engine.kernels import cpu_decode_attention, cpu_runtime
+from engine.kernels.cpu_ops import write_kv_cache
 
 
 @dataclass
@@ -31,7 +31,6 @@ class CpuAttentionMetadata(TorchAttentionMetadata):
     """The torch metadata (its groups hold only prefills) plus the step's decodes."""
 
     decode_req_indices: torch.Tensor  # [num_decodes] int32, requests with query_len == 1
-    max_decode_seq_len: int  # longest context among them
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
     seq_lens: torch.Tensor  # [num_reqs] int32
     block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
@@ -41,7 +40,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def __init__(self) -> None:
-        cpu_decode_attention.load()  # build now: a missing compiler fails at startup
+        cpu_runtime.library()  # build now: a missing compiler fails at startup
 
     def build(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
         qsl, query_lens = query_lens_of(common)
@@ -53,7 +52,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
             num_actual_tokens=common.num_actual_tokens,
             groups=prefill_groups(common, qsl, query_lens),
             decode_req_indices=decode_index.int(),
-            max_decode_seq_len=int(seq_lens[decode_index].max()) if decode_index.numel() else 0,
             query_start_loc=common.query_start_loc_cpu[: common.num_reqs + 1].contiguous(),
             seq_lens=seq_lens.contiguous(),
             block_table=common.block_table[: common.num_reqs].contiguous(),
@@ -68,23 +66,33 @@ class CpuAttentionBackend(TorchAttentionBackend):
         v_cache: torch.Tensor,
         metadata: CpuAttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, metadata)
-        out = torch.zeros(q.shape, dtype=k_cache.dtype)
+        num_tokens = metadata.num_actual_tokens
+        write_kv_cache(
+            k[:num_tokens], v[:num_tokens], k_cache, v_cache, metadata.slot_mapping,
+            k_scale, v_scale,
+        )  # fmt: skip
+        # Every real row is written, by a prefill group or by the decode kernel.
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if num_tokens < q.shape[0]:
+            out[num_tokens:].zero_()
         attend_groups(q, k, v, k_cache, v_cache, metadata.groups, scale, out)
         if metadata.decode_req_indices.numel():
             # Named for torch.profiler, which sees no op inside a ctypes call.
             with torch.profiler.record_function("kvrail::cpu_decode_attention"):
                 cpu_decode_attention.paged_decode_attention(
-                    q.to(k_cache.dtype).contiguous(),
+                    q,
                     k_cache,
                     v_cache,
                     metadata.block_table,
                     metadata.query_start_loc,
                     metadata.seq_lens,
                     metadata.decode_req_indices,
-                    metadata.max_decode_seq_len,
                     scale,
                     out,
+                    k_scale,
+                    v_scale,
                 )
-        return out.to(q.dtype)
+        return out

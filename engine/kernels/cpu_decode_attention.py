@@ -1,94 +1,56 @@
-"""Paged decode attention on the CPU: a C kernel (OpenMP) and its Python launcher.
+"""Paged decode attention on the CPU: a C team kernel (OpenMP) and its Python launcher.
 
 The kernel (`cpu_decode_attention.c`) reads K and V straight from the paged cache through the
 block table; the torch path's per-layer gather of every context into a padded copy, then
 SDPA over it, cost about three passes over the context (measured: 11.4 ms per layer for 48
 sequences of 432 tokens on 2 AVX2 cores, against 3-4 ms here). Its reference is
 `decode_attention_ref`, which the Triton decode kernel shares.
-
-The source is compiled on first use with the system C compiler (`$CC`, else `cc`) into
-`KVRAIL_CACHE_DIR/kernels/`, keyed by the source, the flags and the CPU, and loaded with
-ctypes, which releases the GIL for the call. It links the `libgomp.so.1` torch has already
-loaded, so it shares torch's OpenMP threads instead of starting a second pool.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from engine import envs
+from engine.kernels.cpu_runtime import dtype_code, launch
 
-SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
-# -ffast-math lets expf and the dot-product reductions vectorize (glibc's libmvec); the kernel
-# keeps to finite values. It is a compile flag only: linked with it, gcc 12 adds
-# crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
-LDFLAGS = ("-shared", "-fopenmp")
-_FUNCTIONS = {
-    torch.float32: "paged_decode_attention_f32",
-    torch.bfloat16: "paged_decode_attention_bf16",
-}
-SUPPORTED_DTYPES = tuple(_FUNCTIONS)
+# q / out dtypes; the cache holds the same dtype or fp8 e4m3 (with scales)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+_P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-def compiler() -> str | None:
-    """The C compiler to build with, or None when the machine has none."""
-    return shutil.which(os.environ.get("CC", "cc"))
-
-
-def _cpu_signature() -> str:
-    """What `-march=native` depends on: a library built for another CPU may not run here."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return os.uname().machine
-
-
-@functools.cache
-def _library() -> ctypes.CDLL:
-    """Build (once per source, flags and CPU) and load the kernel library."""
-    cc = compiler()
-    if cc is None:
-        raise RuntimeError("the cpu attention backend needs a C compiler: install gcc or set CC")
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join((cc, *CFLAGS, *LDFLAGS)).encode() + _cpu_signature().encode()
-    ).hexdigest()[:16]
-    path = envs.KVRAIL_CACHE_DIR / "kernels" / f"cpu_decode_attention-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename: workers starting together never load half a file.
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            obj, built = Path(tmp) / "kernel.o", Path(tmp) / path.name
-            for command in (
-                [cc, *CFLAGS, "-c", "-o", str(obj), str(SOURCE)],
-                [cc, *LDFLAGS, "-o", str(built), str(obj), "-lm"],
-            ):
-                result = subprocess.run(command, capture_output=True, text=True)
-                if result.returncode != 0:
-                    raise RuntimeError(f"building {SOURCE.name} failed:\n{result.stderr}")
-            os.replace(built, path)
-    lib = ctypes.CDLL(str(path))
-    for name in _FUNCTIONS.values():
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 5 + [ctypes.c_int64]
-        fn.argtypes += [ctypes.c_int, ctypes.c_float, ctypes.c_int]
-    return lib
-
-
-def load() -> None:
-    """Build and load the kernel now (raises RuntimeError when it cannot be built)."""
-    _library()
+class DecodeAttentionArgs(ctypes.Structure):  # struct kvrail_decode_attention_args
+    _fields_ = [
+        *[
+            (n, _P)
+            for n in (
+                "q",
+                "k_cache",
+                "v_cache",
+                "block_table",
+                "query_start_loc",
+                "seq_lens",
+                "req_indices",
+                "out",
+            )
+        ],
+        *[
+            (n, _I64)
+            for n in (
+                "q_dtype",
+                "cache_dtype",
+                "num_decodes",
+                "num_heads",
+                "num_kv_heads",
+                "head_dim",
+                "block_size",
+                "stride_q",
+                "stride_bt",
+            )
+        ],
+        *[(n, _F) for n in ("scale", "k_scale", "v_scale")],
+    ]
 
 
 def paged_decode_attention(
@@ -99,45 +61,55 @@ def paged_decode_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     req_indices: torch.Tensor,
-    max_seq_len: int,
     scale: float,
     out: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attend each request `req_indices[i]`'s single query token to its paged context.
 
-    Same contract as the Triton `decode_attention`: q, out `[T, num_heads, head_dim]`
-    (contiguous, the cache's dtype); k_cache, v_cache `[num_blocks, block_size,
-    num_kv_heads, head_dim]`; block_table `[R, max_blocks]`, query_start_loc `[R + 1]`,
-    seq_lens `[R]` and req_indices `[n]`, all int32; `max_seq_len` >= every selected seq_len.
-    Writes row `query_start_loc[req]` of `out` for each selected request, nothing else.
+    Same contract as the Triton `decode_attention`: q, out `[T, num_heads, head_dim]` (float32
+    or bfloat16; out contiguous; q's heads and head_dim contiguous, its token stride free);
+    k_cache, v_cache `[num_blocks, block_size, num_kv_heads, head_dim]` in q's dtype or fp8
+    e4m3 (which holds x / k_scale, x / v_scale);
+    block_table `[R, max_blocks]`, query_start_loc `[R + 1]`, seq_lens `[R]` and req_indices
+    `[n]`, all int32. Writes row `query_start_loc[req]` of `out` for each selected request,
+    nothing else.
     """
-    lib = _library()
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1:3]
-    for t in (q, out, k_cache, v_cache, block_table, query_start_loc, seq_lens, req_indices):
+    for t in (q[0:1], out, k_cache, v_cache, block_table, query_start_loc, seq_lens, req_indices):
         if not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError("paged_decode_attention takes contiguous CPU tensors")
-    if not q.dtype == out.dtype == k_cache.dtype == v_cache.dtype in _FUNCTIONS:
-        raise ValueError(f"q, out and the caches must share one dtype of {SUPPORTED_DTYPES}")
+    if q.dtype not in SUPPORTED_DTYPES or out.dtype != q.dtype:
+        raise ValueError(f"q and out must share one dtype of {SUPPORTED_DTYPES}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError("the caches hold q's dtype or float8_e4m3fn")
     for t in (block_table, query_start_loc, seq_lens, req_indices):
         if t.dtype != torch.int32:
             raise ValueError("block_table, query_start_loc, seq_lens and req_indices are int32")
-    getattr(lib, _FUNCTIONS[q.dtype])(
-        out.data_ptr(),
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_table.data_ptr(),
-        query_start_loc.data_ptr(),
-        seq_lens.data_ptr(),
-        req_indices.data_ptr(),
-        req_indices.numel(),
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        block_table.stride(0),
-        max_seq_len,
-        scale,
-        torch.get_num_threads(),
+    args = DecodeAttentionArgs(
+        q=q.data_ptr(),
+        k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(),
+        block_table=block_table.data_ptr(),
+        query_start_loc=query_start_loc.data_ptr(),
+        seq_lens=seq_lens.data_ptr(),
+        req_indices=req_indices.data_ptr(),
+        out=out.data_ptr(),
+        q_dtype=dtype_code(q.dtype),
+        cache_dtype=dtype_code(k_cache.dtype),
+        num_decodes=req_indices.numel(),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        stride_q=q.stride(0),
+        stride_bt=block_table.stride(0),
+        scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
+    # Requests are shared out whole: one request is one thread's work.
+    launch("kvrail_decode_attention", args, q, k_cache, v_cache, block_table, query_start_loc,
+           seq_lens, req_indices, out, work=None if req_indices.numel() > 1 else 0)  # fmt: skip

@@ -2,9 +2,11 @@
 
 Inputs are `[T]` token ids and positions of all scheduled tokens of all requests, back to back;
 attention reads the step's metadata from the forward context and the paged KV cache bound by
-the model runner. q/k/v and gate/up are fused into one matmul each at load time. With the
-`triton` attention backend, RMSNorm (+ residual add), rotary embedding and SiLU-and-multiply
-run as fused Triton kernels (`engine/kernels/`).
+the model runner. q/k/v and gate/up are fused into one matmul each at load time. Linear
+layers store and multiply their weights as their `LinearMethod` says (unquantized, or the
+quantized methods of `engine/quantization.py`). With the `triton` attention backend, RMSNorm
+(+ residual add), rotary embedding and SiLU-and-multiply run as fused Triton kernels, with
+the `cpu` backend as C kernels (`engine/kernels/`, `ModelKernels`).
 """
 
 from __future__ import annotations
@@ -12,33 +14,31 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionBackend, KVCacheSpec, get_forward_context
-from engine.kernels.rms_norm import rms_norm
-from engine.kernels.rotary import build_cos_sin_cache, rotary_embedding
-from engine.kernels.silu_and_mul import silu_and_mul
+from engine.kernels.rotary import build_cos_sin_cache
+from engine.models.layers import Linear, LinearMethod, ModelKernels, VocabEmbedding
 
 # Applies rotary embedding to (q, k) for the step's positions; built once per step.
 RopeFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, fused: bool = False) -> None:
+    def __init__(self, hidden_size: int, eps: float, kernels: ModelKernels | None) -> None:
         super().__init__()
         self.eps = eps
-        self.fused = fused
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalize `x`; with `residual`, first add it and also return the sum (next residual)."""
-        if self.fused:
-            return rms_norm(x, self.weight, self.eps, residual)
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -52,7 +52,7 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding; `inv_freq` comes from HF so every rope type HF knows matches."""
 
-    def __init__(self, config: PretrainedConfig, fused: bool = False) -> None:
+    def __init__(self, config: PretrainedConfig, kernels: ModelKernels | None) -> None:
         super().__init__()
         rope_type = config.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
@@ -65,8 +65,8 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = attention_scaling
         # Kept fp32 whatever the model dtype: positions times frequencies need the precision.
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
-        self.fused = fused
-        if fused:
+        self.kernels = kernels
+        if kernels is not None:
             cache = build_cos_sin_cache(
                 self.inv_freq, config.max_position_embeddings, attention_scaling
             )
@@ -84,8 +84,9 @@ class RotaryEmbedding(nn.Module):
 
     def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeFn:
         """What every layer applies to its (q, k) this step; cos/sin are computed once."""
-        if self.fused:
-            return lambda q, k: rotary_embedding(positions, q, k, self.cos_sin_cache)
+        if self.kernels is not None:
+            rotary = self.kernels.rotary_embedding
+            return lambda q, k: rotary(positions, q, k, self.cos_sin_cache)
         cos, sin = self(positions, dtype)
         return lambda q, k: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))
 
@@ -99,7 +100,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, attn_backend: AttentionBackend, arch: ArchTraits
+        self,
+        config: PretrainedConfig,
+        attn_backend: AttentionBackend,
+        arch: ArchTraits,
+        method: LinearMethod,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -108,13 +113,13 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        fused = attn_backend.name == "triton"
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, arch.qkv_bias, method
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=arch.o_bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused) if arch.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, fused) if arch.qk_norm else None
+        self.o_proj = Linear(self.q_size, config.hidden_size, arch.o_bias, method)
+        kernels, eps = method.kernels, config.rms_norm_eps
+        self.q_norm = RMSNorm(self.head_dim, eps, kernels) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps, kernels) if arch.qk_norm else None
         self.attn_backend = attn_backend
         # Bound by the model runner (bind_kv_cache); not parameters or buffers.
         self.k_cache = torch.empty(0)
@@ -138,31 +143,31 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, bias: bool, fused: bool = False) -> None:
+    def __init__(self, config: PretrainedConfig, bias: bool, method: LinearMethod) -> None:
         super().__init__()
-        self.fused = fused
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        hidden, intermediate = config.hidden_size, config.intermediate_size
+        # SiLU-and-multiply belongs to gate_up: kernels that can fuse it into the matmul do.
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, method, "silu_and_mul")
+        self.down_proj = Linear(intermediate, hidden, bias, method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.fused:
-            return self.down_proj(silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, attn_backend: AttentionBackend, arch: ArchTraits
+        self,
+        config: PretrainedConfig,
+        attn_backend: AttentionBackend,
+        arch: ArchTraits,
+        method: LinearMethod,
     ) -> None:
         super().__init__()
-        fused = attn_backend.name == "triton"
-        self.self_attn = LlamaAttention(config, attn_backend, arch)
-        self.mlp = LlamaMLP(config, bias=arch.mlp_bias, fused=fused)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        kernels, hidden, eps = method.kernels, config.hidden_size, config.rms_norm_eps
+        self.self_attn = LlamaAttention(config, attn_backend, arch, method)
+        self.mlp = LlamaMLP(config, arch.mlp_bias, method)
+        self.input_layernorm = RMSNorm(hidden, eps, kernels)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, kernels)
 
     def forward(
         self,
@@ -182,19 +187,25 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, attn_backend: AttentionBackend, arch: ArchTraits
+        self,
+        config: PretrainedConfig,
+        attn_backend: AttentionBackend,
+        arch: ArchTraits,
+        method: LinearMethod,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        kernels = method.kernels
+        self.dtype = torch.get_default_dtype()  # activations; weights may be quantized
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, kernels)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attn_backend, arch) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, attn_backend, arch, method)
+            for _ in range(config.num_hidden_layers)
         )
-        fused = attn_backend.name == "triton"
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
-        self.rotary_emb = RotaryEmbedding(config, fused)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.rotary_emb = RotaryEmbedding(config, kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states = self.embed_tokens(input_ids, self.dtype)
         rope = self.rotary_emb.for_step(positions, hidden_states.dtype)
         residual = None
         for layer in self.layers:
@@ -235,7 +246,9 @@ _SHARDS_OF = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up")}
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: PretrainedConfig, attn_backend: AttentionBackend) -> None:
+    def __init__(
+        self, config: PretrainedConfig, attn_backend: AttentionBackend, method: LinearMethod
+    ) -> None:
         super().__init__()
         architecture = (config.architectures or ["LlamaForCausalLM"])[0]
         if architecture not in SUPPORTED_ARCHITECTURES:
@@ -245,11 +258,11 @@ class LlamaForCausalLM(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu'")
         self.config = config
-        self.model = LlamaModel(config, attn_backend, ArchTraits(config, architecture))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, attn_backend, ArchTraits(config, architecture), method)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, method)
         self.tie_word_embeddings = bool(config.tie_word_embeddings)
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.model.embed_tokens.tie_to(self.lm_head)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """`input_ids`, `positions` `[T]` -> final hidden states `[T, hidden]`.
@@ -268,7 +281,7 @@ class LlamaForCausalLM(nn.Module):
             num_layers=len(self.model.layers),
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim,
-            dtype=self.model.embed_tokens.weight.dtype,
+            dtype=self.model.dtype,
         )
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -314,6 +327,12 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(f"{name}[{shard}]" if shard else name for name, shard in required - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {missing[:8]}")
+
+    def process_weights(self) -> None:
+        """Once every weight is loaded: each linear layer takes its runtime form."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.method.process_weights(module)
 
     def _shard(self, param: torch.Tensor, shard: str | None) -> torch.Tensor:
         """The slice of a (fused) parameter that one checkpoint tensor fills."""

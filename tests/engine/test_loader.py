@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from engine import envs
 from engine.attention import get_attn_backend
 from engine.loader import load_model, load_tokenizer, resolve_model
+from engine.models.layers import LinearMethod
 from tests.engine.tiny_models import run_model_steps, smollm2_dir
 
 
@@ -31,7 +32,11 @@ def test_smollm2_logits_match_hf(smollm2_path, caplog):
 
     with caplog.at_level(logging.INFO, logger="kvrail.loader"):
         model, config = load_model(
-            smollm2_path, torch.float32, torch.device("cpu"), get_attn_backend("torch")
+            smollm2_path,
+            torch.float32,
+            torch.device("cpu"),
+            get_attn_backend("torch"),
+            LinearMethod(None),
         )
     assert "LlamaForCausalLM" in caplog.text and "134.5M params" in caplog.text
     assert config.num_hidden_layers == 30 and config.num_key_value_heads == 3

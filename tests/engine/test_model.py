@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.attention import get_attn_backend
 from engine.loader import load_model
+from engine.models.layers import LinearMethod
 from tests.engine.tiny_models import make_tiny_model, run_model_steps
 
 LLAMA3_ROPE = {
@@ -32,7 +33,7 @@ def test_logits_match_hf(tmp_path, case):
     arch, overrides = CASES[case]
     model_dir = make_tiny_model(tmp_path / case, arch, **overrides)
     model, config = load_model(
-        model_dir, torch.float32, torch.device("cpu"), get_attn_backend("torch")
+        model_dir, torch.float32, torch.device("cpu"), get_attn_backend("torch"), LinearMethod(None)
     )
     gen = torch.Generator().manual_seed(1)
     token_ids = [
@@ -54,7 +55,9 @@ def test_logits_match_hf(tmp_path, case):
 
 def test_fused_weights_and_tying(tmp_path):
     model_dir = make_tiny_model(tmp_path / "qwen2", "qwen2")
-    model, _ = load_model(model_dir, torch.float32, torch.device("cpu"), get_attn_backend("torch"))
+    model, _ = load_model(
+        model_dir, torch.float32, torch.device("cpu"), get_attn_backend("torch"), LinearMethod(None)
+    )
     weights = load_file(model_dir / "model.safetensors")
     attn = model.model.layers[1].self_attn
     torch.testing.assert_close(
@@ -69,7 +72,9 @@ def test_fused_weights_and_tying(tmp_path):
 
 def test_load_weights_rejects_missing_and_unexpected(tmp_path):
     model_dir = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=2)
-    model, _ = load_model(model_dir, torch.float32, torch.device("cpu"), get_attn_backend("torch"))
+    model, _ = load_model(
+        model_dir, torch.float32, torch.device("cpu"), get_attn_backend("torch"), LinearMethod(None)
+    )
     weights = load_file(model_dir / "model.safetensors")
     partial = {k: v for k, v in weights.items() if "layers.1.mlp.up_proj" not in k}
     with pytest.raises(ValueError, match=r"missing.*layers\.1\.mlp\.gate_up_proj\.weight\[up\]"):

@@ -1,0 +1,63 @@
+/* What every CPU kernel of kvrail shares: the team-function convention and bf16 conversions.
+ *
+ * A kernel is a team function, `void kvrail_X(const struct X_args *args, int tid, int
+ * num_threads)`: called by every thread of one team, each doing its share of the work, split
+ * by tid. It holds no OpenMP directive (no barrier, no worksharing): a graph may run it on
+ * thread 0 alone while the rest of the team waits at the graph's next barrier; work that
+ * needs a barrier in the middle is two kernels. Its arguments are one struct of pointers
+ * and sizes, mirrored by a ctypes Structure in Python.
+ * `kvrail_run` runs one kernel in a fresh team; `kvrail_replay` runs a recorded list of
+ * kernels in one team with a barrier after each (engine/cpu_graphs.py): a decode step's
+ * hundreds of kernels then cost one call and no fork/join between them.
+ */
+#ifndef KVRAIL_CPU_COMMON_H
+#define KVRAIL_CPU_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef void (*kvrail_team_fn)(const void *args, int tid, int num_threads);
+
+/* Element types of tensors passed to kernels (the `dtype` fields of the arg structs). */
+enum { KVRAIL_F32 = 0, KVRAIL_BF16 = 1, KVRAIL_FP8_E4M3 = 2 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+static inline uint16_t f32_to_bf16(float x) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu))
+        return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Element i of a float32 or bfloat16 array. */
+static inline float load_float(const void *p, int dtype, int64_t i) {
+    return dtype == KVRAIL_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store_float(void *p, int dtype, int64_t i, float v) {
+    if (dtype == KVRAIL_BF16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+static inline int64_t dtype_size(int dtype) { return dtype == KVRAIL_F32 ? 4 : dtype == KVRAIL_BF16 ? 2 : 1; }
+
+/* [begin, end) of `n` items for thread `tid` of `num_threads`, in multiples of `unit`. */
+static inline void thread_range(int64_t n, int64_t unit, int tid, int num_threads, int64_t *begin,
+                                int64_t *end) {
+    const int64_t units = (n + unit - 1) / unit;
+    *begin = units * tid / num_threads * unit;
+    *end = units * (tid + 1) / num_threads * unit;
+    if (*end > n) *end = n;
+}
+
+#endif

@@ -1,0 +1,349 @@
+/* Linear layers on the CPU: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), optionally followed by
+ * SiLU-and-multiply of column pairs (the MLP's gate and up projections in one call).
+ *
+ * Two kernels, one per weight format:
+ *
+ * - W8A8 (`kvrail_linear_w8a8`): int8 weights, symmetric per output channel, and int8
+ *   activations quantized per token inside the call (scale = max|x| / 127), int32
+ *   accumulation, both scales applied in the epilogue. Weights are packed at load into
+ *   panels of 16 output columns holding groups of 4 consecutive k: one 64-byte vector is
+ *   16 columns x 4 k, exactly what AVX512-VNNI's vpdpbusd multiplies by a broadcast group of
+ *   4 activations. vpdpbusd takes unsigned activations, so they are stored as q + 128 and the
+ *   epilogue subtracts 128 * sum_k w[n][k] (precomputed per column at packing).
+ *   A register tile is up to 6 rows x 4 panels (24 zmm accumulators); each thread owns a
+ *   contiguous range of panels, so at M = 1 every weight byte is streamed once, by one
+ *   thread, in order, and at large M a 4-panel slice (64 x K bytes) stays in L2 while every
+ *   row passes over it.
+ * - Float (`kvrail_linear_f32`, `kvrail_linear_bf16`): plain [N, K] weights (the layout
+ *   torch's own matmul reads, so nothing is stored twice), for small M only, where
+ *   oneDNN's matmul streams bf16 weights at half the memory bandwidth (measured: 21 GB/s at
+ *   M = 1). Each output is a dot product along k (AVX512-BF16 vdpbf16ps where present),
+ *   tiles of 4 rows x 4 columns, reduced horizontally once per tile.
+ *
+ * Without AVX512-VNNI / AVX512-BF16 the same loops run in portable C (what gcc vectorizes
+ * for the machine), so every machine computes the same results, only slower.
+ */
+#include <math.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_common.h"
+
+#define PANEL 16 /* output columns per packed int8 panel: one vector of 16 int32 sums */
+#define KGROUP 4 /* k per group inside a panel: the 4 bytes one int32 lane of vpdpbusd sums */
+#define MAX_MR 6 /* rows per register tile */
+#define MAX_NT 4 /* panels per register tile */
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 256
+#endif
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+/* One token's activations -> int8 (stored + 128) and its scale. k in [K, k_padded) gets 0.
+ * Loops are written per dtype, without branches, so that they vectorize. */
+static void quantize_row(const void *x, int dtype, int64_t K, int64_t k_padded, uint8_t *xq,
+                         float *x_scale) {
+    float row[K];
+    if (dtype == KVRAIL_BF16) {
+        const uint16_t *xb = x;
+#pragma omp simd
+        for (int64_t k = 0; k < K; k++) row[k] = bf16_to_f32(xb[k]);
+    } else {
+        memcpy(row, x, sizeof(float) * K);
+    }
+    float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t k = 0; k < K; k++) amax = fmaxf(amax, fabsf(row[k]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+#pragma omp simd
+    for (int64_t k = 0; k < K; k++)
+        xq[k] = (uint8_t)((int)fminf(fmaxf(nearbyintf(row[k] * inv), -127.0f), 127.0f) + 128);
+    for (int64_t k = K; k < k_padded; k++) xq[k] = 128;
+    *x_scale = amax / 127.0f;
+}
+
+/* Integer dot products of an mr x nt tile: acc[i][j * PANEL + c] = sum_k xq[i][k] w[c][k]. */
+static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, int64_t stride_xq,
+                                                            const int8_t *w, int64_t panel_bytes,
+                                                            int64_t num_groups, int mr, int nt,
+                                                            int32_t *acc) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    __m512i sums[MAX_MR][MAX_NT];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nt; j++) sums[i][j] = _mm512_setzero_si512();
+    for (int64_t g = 0; g < num_groups; g++) {
+        __m512i b[MAX_NT];
+        for (int j = 0; j < nt; j++) {
+            _mm_prefetch((const char *)(w + j * panel_bytes + g * 64 + PREFETCH_BYTES), _MM_HINT_T0);
+            b[j] = _mm512_loadu_si512((const void *)(w + j * panel_bytes + g * 64));
+        }
+        for (int i = 0; i < mr; i++) {
+            int32_t four;
+            memcpy(&four, xq + i * stride_xq + g * KGROUP, sizeof four);
+            const __m512i a = _mm512_set1_epi32(four);
+            for (int j = 0; j < nt; j++) sums[i][j] = _mm512_dpbusd_epi32(sums[i][j], a, b[j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nt; j++)
+            _mm512_storeu_si512((void *)(acc + (i * MAX_NT + j) * PANEL), sums[i][j]);
+#else
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < nt * PANEL; c++) acc[i * MAX_NT * PANEL + c] = 0;
+    for (int64_t g = 0; g < num_groups; g++)
+        for (int j = 0; j < nt; j++) {
+            const int8_t *wg = w + j * panel_bytes + g * 64;
+            for (int i = 0; i < mr; i++) {
+                const uint8_t *a = xq + i * stride_xq + g * KGROUP;
+                int32_t *s = acc + (i * MAX_NT + j) * PANEL;
+#pragma omp simd
+                for (int c = 0; c < PANEL; c++)
+                    s[c] += a[0] * wg[c * 4] + a[1] * wg[c * 4 + 1] + a[2] * wg[c * 4 + 2] +
+                            a[3] * wg[c * 4 + 3];
+            }
+        }
+#endif
+}
+
+/* Store n values of a row (vectorizes: no dtype branch inside the loop). */
+static inline void store_row(void *out, int dtype, int64_t offset, const float *y, int n) {
+    if (dtype == KVRAIL_BF16) {
+        uint16_t *o = (uint16_t *)out + offset;
+#pragma omp simd
+        for (int c = 0; c < n; c++) o[c] = f32_to_bf16(y[c]);
+    } else {
+        memcpy((float *)out + offset, y, sizeof(float) * n);
+    }
+}
+
+/* Dequantize an mr x nt tile of sums and store it; with silu_mul, panel pairs (gate, up)
+ * produce one panel of silu(gate) * up at output column (panel / 2) * PANEL. */
+static inline void w8a8_epilogue(const int32_t *acc, int mr, int nt, int64_t panel, int64_t N,
+                                 const float *x_scale, const float *w_scale, const int32_t *w_comp,
+                                 const float *bias, int silu_mul, void *out, int out_dtype,
+                                 int64_t stride_out) {
+    const int width = nt * PANEL;
+    const int32_t *comp = w_comp + panel * PANEL;
+    const float *scale = w_scale + panel * PANEL;
+    float b[MAX_NT * PANEL] = {0};
+    if (bias) memcpy(b, bias + panel * PANEL, sizeof(float) * width);
+    for (int i = 0; i < mr; i++) {
+        const int32_t *row = acc + i * MAX_NT * PANEL;
+        float y[MAX_NT * PANEL];
+#pragma omp simd
+        for (int c = 0; c < width; c++) y[c] = (float)(row[c] - comp[c]) * x_scale[i] * scale[c] + b[c];
+        if (!silu_mul) {
+            const int64_t first = panel * PANEL;
+            store_row(out, out_dtype, i * stride_out + first, y, first + width <= N ? width : (int)(N - first));
+            continue;
+        }
+        float z[MAX_NT / 2 * PANEL];
+        for (int j = 0; j < nt; j += 2) {
+            const float *gate = y + j * PANEL, *up = y + (j + 1) * PANEL;
+#pragma omp simd
+            for (int c = 0; c < PANEL; c++) z[j / 2 * PANEL + c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
+        }
+        const int64_t first = panel / 2 * PANEL;
+        const int n = nt / 2 * PANEL;
+        store_row(out, out_dtype, i * stride_out + first, z, first + n <= N ? n : (int)(N - first));
+    }
+}
+
+static inline __attribute__((always_inline)) void w8a8_block(
+    const uint8_t *xq, int64_t stride_xq, const int8_t *w, int64_t panel_bytes, int64_t num_groups,
+    int mr, int nt, int64_t panel, int64_t N, const float *x_scale, const float *w_scale,
+    const int32_t *w_comp, const float *bias, int silu_mul, void *out, int out_dtype,
+    int64_t stride_out) {
+    int32_t acc[MAX_MR * MAX_NT * PANEL] __attribute__((aligned(64)));
+    w8a8_tile(xq, stride_xq, w, panel_bytes, num_groups, mr, nt, acc);
+    w8a8_epilogue(acc, mr, nt, panel, N, x_scale, w_scale, w_comp, bias, silu_mul, out, out_dtype,
+                  stride_out);
+}
+
+/* Constant tile shapes, so each instance keeps its accumulators in registers. */
+#define W8A8_CASE(MR, NT)                                                                         \
+    case MR * 8 + NT:                                                                             \
+        w8a8_block(xq, stride_xq, w, panel_bytes, num_groups, MR, NT, panel, N, x_scale, w_scale, \
+                   w_comp, bias, silu_mul, out, out_dtype, stride_out);                           \
+        break;
+#define W8A8_CASES(MR) W8A8_CASE(MR, 1) W8A8_CASE(MR, 2) W8A8_CASE(MR, 3) W8A8_CASE(MR, 4)
+
+static void w8a8_dispatch(const uint8_t *xq, int64_t stride_xq, const int8_t *w,
+                          int64_t panel_bytes, int64_t num_groups, int mr, int nt, int64_t panel,
+                          int64_t N, const float *x_scale, const float *w_scale,
+                          const int32_t *w_comp, const float *bias, int silu_mul, void *out,
+                          int out_dtype, int64_t stride_out) {
+    switch (mr * 8 + nt) {
+        W8A8_CASES(1) W8A8_CASES(2) W8A8_CASES(3) W8A8_CASES(4) W8A8_CASES(5) W8A8_CASES(6)
+    }
+}
+
+struct kvrail_quantize_rows_args {
+    const void *x;            /* [num_tokens, in_features], row stride stride_x */
+    uint8_t *x_q;             /* [num_tokens, k_padded]: q + 128 */
+    float *x_scale;           /* [num_tokens]: max|x| / 127 */
+    int64_t x_dtype, num_tokens, in_features, stride_x, k_padded;
+};
+
+/* Per-token int8 activations for kvrail_linear_w8a8, which runs after it (a separate kernel:
+ * every row must be quantized before any thread multiplies). */
+void kvrail_quantize_rows(const struct kvrail_quantize_rows_args *a, int tid, int num_threads) {
+    int64_t begin, end;
+    thread_range(a->num_tokens, 1, tid, num_threads, &begin, &end);
+    for (int64_t m = begin; m < end; m++)
+        quantize_row((const char *)a->x + m * a->stride_x * dtype_size(a->x_dtype), a->x_dtype,
+                     a->in_features, a->k_padded, a->x_q + m * a->k_padded, a->x_scale + m);
+}
+
+struct kvrail_w8a8_args {
+    const uint8_t *x_q;       /* [num_tokens, k_padded] from kvrail_quantize_rows */
+    const float *x_scale;     /* [num_tokens] */
+    const int8_t *w_packed;   /* [num_panels][k_padded / 4][16][4] (cpu_linear.pack_int8) */
+    const float *w_scale;     /* [num_panels * 16], per packed column */
+    const int32_t *w_comp;    /* [num_panels * 16], 128 * sum_k w */
+    const float *bias;        /* [num_panels * 16] or NULL */
+    void *out;                /* [num_tokens, out_features], row stride stride_out */
+    int64_t out_dtype, num_tokens, num_panels, k_padded;
+    int64_t silu_mul;         /* panel 2p gate, 2p + 1 up: out = silu(gate) * up */
+    int64_t out_features, stride_out;
+};
+
+/* out = dequant(x_q w^T): every thread multiplies all rows by its range of panels. */
+void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threads) {
+    const int64_t M = a->num_tokens, k_padded = a->k_padded;
+    const int64_t panel_bytes = k_padded * PANEL, num_groups = k_padded / KGROUP;
+    const int64_t out_size = dtype_size(a->out_dtype);
+    int64_t begin, end;
+    /* gate/up pairs stay in one thread's range */
+    thread_range(a->num_panels, a->silu_mul ? 2 : 1, tid, num_threads, &begin, &end);
+    for (int64_t p = begin; p < end; p += MAX_NT) {
+        const int nt = end - p < MAX_NT ? (int)(end - p) : MAX_NT;
+        for (int64_t m = 0; m < M; m += MAX_MR) {
+            const int mr = M - m < MAX_MR ? (int)(M - m) : MAX_MR;
+            w8a8_dispatch(a->x_q + m * k_padded, k_padded, a->w_packed + p * panel_bytes,
+                          panel_bytes, num_groups, mr, nt, p, a->out_features, a->x_scale + m,
+                          a->w_scale, a->w_comp, a->bias, (int)a->silu_mul,
+                          (char *)a->out + m * a->stride_out * out_size, (int)a->out_dtype,
+                          a->stride_out);
+        }
+    }
+}
+
+/* Float linear for small M over plain [N, K] weights (row stride K): a dot product per
+ * output along k, 4 x 4 tiles. silu_mul: W holds [gate; up] (2 N rows), out[m][n] =
+ * silu(x.gate_n) * (x.up_n). */
+#define DOT_TILE 4
+
+static inline float dot_generic_f32(const float *a, const float *b, int64_t K) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < K; k++) s += a[k] * b[k];
+    return s;
+}
+
+static inline float dot_generic_bf16(const uint16_t *a, const uint16_t *b, int64_t K) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < K; k++) s += bf16_to_f32(a[k]) * bf16_to_f32(b[k]);
+    return s;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* sums[i][j] = x[i] . w[j] for a tile, bf16 pairs multiplied into fp32 lanes. */
+static inline __attribute__((always_inline)) void dot_tile_bf16(const uint16_t *x,
+                                                                int64_t stride_x,
+                                                                const uint16_t *const *w_rows,
+                                                                int mr, int nr, int64_t K,
+                                                                float *sums) {
+    __m512 acc[DOT_TILE][DOT_TILE];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        const __mmask32 mask = K - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+        __m512i b[DOT_TILE];
+        for (int j = 0; j < nr; j++) b[j] = _mm512_maskz_loadu_epi16(mask, w_rows[j] + k);
+        for (int i = 0; i < mr; i++) {
+            const __m512i a = _mm512_maskz_loadu_epi16(mask, x + i * stride_x + k);
+            for (int j = 0; j < nr; j++)
+                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)a, (__m512bh)b[j]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) sums[i * DOT_TILE + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#define BF16_TILE(MR, NR)                                                                       \
+    case MR * 8 + NR:                                                                           \
+        dot_tile_bf16(x, stride_x, w_rows, MR, NR, K, sums);                                    \
+        break;
+#define BF16_TILES(MR) BF16_TILE(MR, 1) BF16_TILE(MR, 2) BF16_TILE(MR, 3) BF16_TILE(MR, 4)
+
+static void dot_tile_bf16_dispatch(const uint16_t *x, int64_t stride_x,
+                                   const uint16_t *const *w_rows, int mr, int nr, int64_t K,
+                                   float *sums) {
+    switch (mr * 8 + nr) { BF16_TILES(1) BF16_TILES(2) BF16_TILES(3) BF16_TILES(4) }
+}
+#endif
+
+static void dot_tile(const void *x, int dtype, int64_t stride_x, const void *const *w_rows,
+                     int mr, int nr, int64_t K, float *sums) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (dtype == KVRAIL_BF16) {
+        dot_tile_bf16_dispatch(x, stride_x, (const uint16_t *const *)w_rows, mr, nr, K, sums);
+        return;
+    }
+#endif
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++)
+            sums[i * DOT_TILE + j] =
+                dtype == KVRAIL_BF16
+                    ? dot_generic_bf16((const uint16_t *)x + i * stride_x,
+                                           (const uint16_t *)w_rows[j], K)
+                        : dot_generic_f32((const float *)x + i * stride_x,
+                                          (const float *)w_rows[j], K);
+}
+
+struct kvrail_float_linear_args {
+    const void *x;      /* [num_tokens, in_features], row stride stride_x */
+    const void *w;      /* [num_rows, in_features], contiguous, x's dtype */
+    const float *bias;  /* [num_rows] or NULL */
+    void *out;          /* [num_tokens, out_features], row stride stride_out */
+    int64_t dtype, num_tokens, in_features, stride_x;
+    int64_t silu_mul;   /* rows are [gate; up]: out = silu(x gate^T) * (x up^T) */
+    int64_t out_features, stride_out;
+};
+
+/* out = x w^T (+ bias) for small M; every thread takes a range of 4-column tiles. */
+void kvrail_linear_float(const struct kvrail_float_linear_args *a, int tid, int num_threads) {
+    const int64_t K = a->in_features, N = a->out_features, M = a->num_tokens;
+    const int64_t esize = dtype_size(a->dtype);
+    int64_t begin, end;
+    thread_range(N, DOT_TILE, tid, num_threads, &begin, &end);
+    for (int64_t n0 = begin; n0 < end; n0 += DOT_TILE) {
+        const int nr = end - n0 < DOT_TILE ? (int)(end - n0) : DOT_TILE;
+        const void *gate_rows[DOT_TILE], *up_rows[DOT_TILE];
+        for (int j = 0; j < nr; j++) {
+            gate_rows[j] = (const char *)a->w + (n0 + j) * K * esize;
+            up_rows[j] = (const char *)a->w + (N + n0 + j) * K * esize;
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += DOT_TILE) {
+            const int mr = M - m0 < DOT_TILE ? (int)(M - m0) : DOT_TILE;
+            const void *xm = (const char *)a->x + m0 * a->stride_x * esize;
+            float sums[DOT_TILE * DOT_TILE], ups[DOT_TILE * DOT_TILE];
+            dot_tile(xm, (int)a->dtype, a->stride_x, gate_rows, mr, nr, K, sums);
+            if (a->silu_mul) dot_tile(xm, (int)a->dtype, a->stride_x, up_rows, mr, nr, K, ups);
+            for (int i = 0; i < mr; i++)
+                for (int j = 0; j < nr; j++) {
+                    float y = sums[i * DOT_TILE + j];
+                    if (a->silu_mul) {
+                        float u = ups[i * DOT_TILE + j];
+                        if (a->bias) y += a->bias[n0 + j], u += a->bias[N + n0 + j];
+                        y = silu(y) * u;
+                    } else if (a->bias) {
+                        y += a->bias[n0 + j];
+                    }
+                    store_float(a->out, (int)a->dtype, (m0 + i) * a->stride_out + n0 + j, y);
+                }
+        }
+    }
+}

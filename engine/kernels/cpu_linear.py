@@ -1,0 +1,240 @@
+"""Linear layers on the CPU: W8A8 int8 for every batch size, and float GEMV for small ones.
+
+Launchers of `cpu_linear.c` (see its header for the kernels) and their PyTorch references.
+`pack_int8` lays int8 weights out for the W8A8 kernel once, at load; `linear_w8a8` then
+quantizes each token's activations, multiplies in int8 and dequantizes in one call.
+`linear_float` is the float kernel for the few-token steps of single-stream decode, where
+oneDNN's bf16 matmul reads the weights at half the memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.cpu_runtime import dtype_code, launch, ptr
+
+PANEL = 16  # output columns per packed panel
+KGROUP = 4  # consecutive k per 32-bit lane
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class QuantizeRowsArgs(ctypes.Structure):  # struct kvrail_quantize_rows_args
+    _fields_ = [
+        *[(name, _P) for name in ("x", "x_q", "x_scale")],
+        *[
+            (name, _I64)
+            for name in ("x_dtype", "num_tokens", "in_features", "stride_x", "k_padded")
+        ],
+    ]
+
+
+class W8A8Args(ctypes.Structure):  # struct kvrail_w8a8_args
+    _fields_ = [
+        *[
+            (name, _P)
+            for name in ("x_q", "x_scale", "w_packed", "w_scale", "w_comp", "bias", "out")
+        ],
+        *[
+            (name, _I64)
+            for name in (
+                "out_dtype",
+                "num_tokens",
+                "num_panels",
+                "k_padded",
+                "silu_mul",
+                "out_features",
+                "stride_out",
+            )
+        ],
+    ]
+
+
+class FloatLinearArgs(ctypes.Structure):  # struct kvrail_float_linear_args
+    _fields_ = [
+        *[(name, _P) for name in ("x", "w", "bias", "out")],
+        *[
+            (name, _I64)
+            for name in (
+                "dtype",
+                "num_tokens",
+                "in_features",
+                "stride_x",
+                "silu_mul",
+                "out_features",
+                "stride_out",
+            )
+        ],
+    ]
+
+
+@dataclass
+class PackedInt8Weight:
+    """An int8 weight laid out for `linear_w8a8`; columns are in packed order."""
+
+    packed: torch.Tensor  # [num_panels, k_padded // 4, 16, 4] int8
+    scale: torch.Tensor  # [num_panels * 16] float32, per output column
+    comp: torch.Tensor  # [num_panels * 16] int32, 128 * sum_k w (the activations' +128 offset)
+    bias: torch.Tensor | None  # [num_panels * 16] float32
+    out_features: int  # N of the result (half the rows with silu_mul)
+    in_features: int  # K
+    silu_mul: bool  # rows are [gate; up]; the result is silu(x gate^T) * (x up^T)
+
+
+def packed_rows(num_rows: int, silu_mul: bool) -> torch.Tensor:
+    """The weight row behind each packed column (-1 = padding). With `silu_mul`, gate panel
+    p and up panel p are adjacent, so one register tile holds both halves of its outputs."""
+    if not silu_mul:
+        num_panels = -(-num_rows // PANEL)
+        rows = torch.arange(num_panels * PANEL)
+        return torch.where(rows < num_rows, rows, -1)
+    half = num_rows // 2
+    num_pairs = -(-half // PANEL)
+    col = torch.arange(num_pairs * PANEL).view(num_pairs, 1, PANEL)
+    rows = torch.cat((col, col + half), dim=1)  # [pair, gate/up, 16]
+    rows = torch.where(col < half, rows, -1)
+    return rows.flatten()
+
+
+def pack_int8(
+    weight_q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool
+) -> PackedInt8Weight:
+    """weight_q `[N_w, K]` int8, scale `[N_w]` (per row), bias `[N_w]` or None."""
+    num_rows, in_features = weight_q.shape
+    if silu_mul and num_rows % 2:
+        raise ValueError("a gate/up weight needs an even number of rows")
+    rows = packed_rows(num_rows, silu_mul)
+    valid = rows >= 0
+    k_padded = -(-in_features // KGROUP) * KGROUP
+    w = torch.zeros((len(rows), k_padded), dtype=torch.int8)
+    w[valid, :in_features] = weight_q[rows[valid]]
+
+    def column(values: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        if values is None:
+            return None
+        out = torch.zeros(len(rows), dtype=dtype)
+        out[valid] = values[rows[valid]].to(dtype)
+        return out
+
+    packed = w.view(-1, PANEL, k_padded // KGROUP, KGROUP).permute(0, 2, 1, 3).contiguous()
+    return PackedInt8Weight(
+        packed=packed,
+        scale=column(scale, torch.float32),
+        comp=(128 * w.sum(dim=1, dtype=torch.int32)).to(torch.int32),
+        bias=column(bias, torch.float32),
+        out_features=num_rows // 2 if silu_mul else num_rows,
+        in_features=in_features,
+        silu_mul=silu_mul,
+    )
+
+
+def _check_activations(x: torch.Tensor, in_features: int) -> None:
+    if x.dim() != 2 or x.shape[1] != in_features or x.stride(1) != 1 or x.device.type != "cpu":
+        raise ValueError(f"x must be a CPU [M, {in_features}] tensor with contiguous rows")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
+
+
+def linear_w8a8(x: torch.Tensor, weight: PackedInt8Weight) -> torch.Tensor:
+    """x `[M, K]` (float32 or bfloat16) -> `[M, N]` in x's dtype."""
+    _check_activations(x, weight.in_features)
+    num_tokens = x.shape[0]
+    out = torch.empty((num_tokens, weight.out_features), dtype=x.dtype)
+    if num_tokens == 0:
+        return out
+    num_panels, num_groups = weight.packed.shape[:2]
+    k_padded = num_groups * KGROUP
+    x_q = torch.empty((num_tokens, k_padded), dtype=torch.uint8)
+    x_scale = torch.empty(num_tokens, dtype=torch.float32)
+    quantize = QuantizeRowsArgs(
+        x=x.data_ptr(),
+        x_q=x_q.data_ptr(),
+        x_scale=x_scale.data_ptr(),
+        x_dtype=dtype_code(x.dtype),
+        num_tokens=num_tokens,
+        in_features=weight.in_features,
+        stride_x=x.stride(0),
+        k_padded=k_padded,
+    )
+    launch("kvrail_quantize_rows", quantize, x, x_q, x_scale, work=x_q.numel())
+    multiply = W8A8Args(
+        x_q=x_q.data_ptr(),
+        x_scale=x_scale.data_ptr(),
+        w_packed=weight.packed.data_ptr(),
+        w_scale=weight.scale.data_ptr(),
+        w_comp=weight.comp.data_ptr(),
+        bias=ptr(weight.bias),
+        out=out.data_ptr(),
+        out_dtype=dtype_code(out.dtype),
+        num_tokens=num_tokens,
+        num_panels=num_panels,
+        k_padded=k_padded,
+        silu_mul=weight.silu_mul,
+        out_features=weight.out_features,
+        stride_out=out.stride(0),
+    )
+    launch("kvrail_linear_w8a8", multiply, x_q, x_scale, weight, out)
+    return out
+
+
+def linear_float(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False
+) -> torch.Tensor:
+    """x `[M, K]` @ weight `[N_w, K]`^T (+ bias `[N_w]` float32), in x's dtype (== weight's).
+
+    With `silu_mul` the rows of weight (and bias) are [gate; up] and the result `[M, N_w / 2]`
+    is silu(gate) * up."""
+    _check_activations(x, weight.shape[1])
+    if weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError("weight must be contiguous and of x's dtype")
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        raise ValueError("bias must be a contiguous float32 tensor")
+    num_rows, in_features = weight.shape
+    out = torch.empty((x.shape[0], num_rows // 2 if silu_mul else num_rows), dtype=x.dtype)
+    if x.shape[0]:
+        args = FloatLinearArgs(
+            x=x.data_ptr(),
+            w=weight.data_ptr(),
+            bias=ptr(bias),
+            out=out.data_ptr(),
+            dtype=dtype_code(x.dtype),
+            num_tokens=x.shape[0],
+            in_features=in_features,
+            stride_x=x.stride(0),
+            silu_mul=silu_mul,
+            out_features=out.shape[1],
+            stride_out=out.stride(0),
+        )
+        launch("kvrail_linear_float", args, x, out)
+    return out
+
+
+def quantize_int8_ref(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 along `dim`: (q int8, scale = max|x| / 127 float32), x ~= q * scale."""
+    x = x.float()
+    scale = x.abs().amax(dim=dim, keepdim=True) / 127
+    q = torch.where(scale > 0, x / scale, 0.0).round().clamp(-127, 127).to(torch.int8)
+    return q, scale.squeeze(dim)
+
+
+def linear_w8a8_ref(
+    x: torch.Tensor,
+    weight_q: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu_mul: bool = False,
+) -> torch.Tensor:
+    """PyTorch reference of `linear_w8a8` from the unpacked weight `[N_w, K]` int8 and its
+    per-row scale: per-token int8 activations, exact integer sums, scales after, in fp32."""
+    x_q, x_scale = quantize_int8_ref(x)
+    sums = x_q.double() @ weight_q.double().T  # exact: |sum| < 2^53
+    y = sums.float() * x_scale[:, None] * scale.float()[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    if silu_mul:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y.to(x.dtype)

@@ -1,0 +1,143 @@
+"""Launching kvrail's CPU team kernels: one at a time, or recorded into a graph and replayed.
+
+A team kernel (`cpu_common.h`) takes one argument struct, mirrored here by a ctypes
+Structure. `launch` runs it in a fresh OpenMP team. Inside `capture()`, every launch is also
+recorded, with the tensors its struct points to kept alive, into a `CpuGraph`; `replay()`
+then runs the whole list in one C call and one team, with a barrier after each kernel: the
+CPU's counterpart of a CUDA graph (engine/cpu_graphs.py uses it for decode steps). Like a
+CUDA graph, a replay reads and writes the captured addresses, so a capture may only launch
+kernels: any other tensor op would run once at capture and never again, and is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine.kernels import cpu_build
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}  # cpu_common.h
+_state = threading.local()
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"the CPU kernels take {list(DTYPE_CODES)}, got {dtype}")
+    return DTYPE_CODES[dtype]
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    lib = cpu_build.load_library()
+    cpu_build.declare(lib, "kvrail_run", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
+    cpu_build.declare(lib, "kvrail_replay", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int])
+    return lib
+
+
+@functools.cache
+def _kernel_address(name: str) -> int:
+    return ctypes.cast(getattr(library(), name), ctypes.c_void_p).value
+
+
+class _Node(ctypes.Structure):  # struct kvrail_node
+    _fields_ = [("fn", ctypes.c_void_p), ("args", ctypes.c_void_p), ("serial", ctypes.c_int64)]
+
+
+class CpuGraph:
+    """Kernels recorded by `capture()`, replayed in order by one call."""
+
+    def __init__(self) -> None:
+        self.nodes: list[tuple[int, ctypes.Structure, bool]] = []
+        self.keep: list[Any] = []  # every tensor a recorded struct points to
+        self._array: ctypes.Array | None = None
+
+    def record(
+        self, fn: int, args: ctypes.Structure, serial: bool, tensors: tuple[Any, ...]
+    ) -> None:
+        self.nodes.append((fn, args, serial))
+        self.keep.extend(tensors)
+
+    def replay(self) -> None:
+        if self._array is None:
+            self._array = (_Node * len(self.nodes))(
+                *(_Node(fn, ctypes.addressof(args), serial) for fn, args, serial in self.nodes)
+            )
+        library().kvrail_replay(self._array, len(self.nodes), torch.get_num_threads())
+
+
+# Ops that only allocate or make views: everything a captured forward may do besides launching.
+_CAPTURE_SAFE_OPS = {
+    "empty",
+    "empty_strided",
+    "empty_like",
+    "view",
+    "_unsafe_view",
+    "slice",
+    "select",
+    "split",
+    "split_with_sizes",
+    "as_strided",
+    "unsqueeze",
+    "squeeze",
+    "t",
+    "transpose",
+    "permute",
+    "expand",
+    "alias",
+    "detach",
+    "_record_function_enter_new",  # torch.profiler's labels
+    "_record_function_exit",
+}
+
+
+class _OnlyKernels(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in _CAPTURE_SAFE_OPS:
+            raise RuntimeError(
+                f"aten.{name} inside a CPU graph capture would run once and never be replayed"
+            )
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[CpuGraph]:
+    """Record the kernels launched (and run) in this block on this thread into a graph."""
+    if getattr(_state, "graph", None) is not None:
+        raise RuntimeError("CPU graph captures do not nest")
+    graph = _state.graph = CpuGraph()
+    try:
+        with _OnlyKernels():
+            yield graph
+    finally:
+        _state.graph = None
+
+
+# Below this many elements of work a kernel runs on one thread (torch's grain size): waking
+# the team and waiting at its barrier costs more than the work, and far more when another
+# process holds the other core.
+SERIAL_WORK = 32768
+
+
+def launch(name: str, args: ctypes.Structure, *tensors: Any, work: int | None = None) -> None:
+    """Run team kernel `name` on `args` now (and record it while capturing). `tensors` are
+    what `args` points to: a graph keeps them alive. `work` (elements touched; None = a lot)
+    below SERIAL_WORK runs it on one thread."""
+    fn = _kernel_address(name)
+    serial = work is not None and work < SERIAL_WORK
+    graph = getattr(_state, "graph", None)
+    if graph is not None:
+        graph.record(fn, args, serial, tensors)
+    library().kvrail_run(fn, ctypes.byref(args), 1 if serial else torch.get_num_threads())
+
+
+def ptr(tensor: torch.Tensor | None) -> int | None:
+    """A tensor's address for an argument struct (None: a NULL pointer)."""
+    return None if tensor is None else tensor.data_ptr()

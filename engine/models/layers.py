@@ -1,0 +1,153 @@
+"""Layers the models share: linear layers with a pluggable weight format, the embedding, and
+the family of kernels their small ops run on.
+
+A `Linear` holds its weight in whatever form its `LinearMethod` chose (vLLM's design): the
+method creates the parameters the checkpoint loads into, turns them into its runtime format
+once loaded (`process_weights`: quantize, pack), and multiplies (`apply`). The unquantized
+method lives here; quantized ones are in `engine/quantization.py`. A linear layer may carry
+the activation that follows it (the MLP's SiLU-and-multiply), so kernels that can fuse it
+into their epilogue do.
+
+`ModelKernels` is the set of small-op kernels of one family: Triton on CUDA (`triton`
+attention backend), C on the CPU (`cpu` backend), or none: plain torch (`torch` backend),
+which is also the reference path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Steps of at most this many tokens use the C float kernel for unquantized linear layers on
+# the CPU; larger ones use torch's matmul (oneDNN), which reaches the compute peak there.
+# Measured on the 2-vCPU AVX512-BF16 EPYC, all 121 linear layers of SmolLM2-135M in bf16:
+# TODO(measure) C vs oneDNN at M = 1, 2, 4, 8, 16, 32.
+CPU_FLOAT_KERNEL_MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class ModelKernels:
+    """One family's kernels for the model's small ops (same contracts as the Triton ones)."""
+
+    name: str  # "triton" or "cpu"
+    rms_norm: Callable
+    rotary_embedding: Callable
+    silu_and_mul: Callable
+
+
+def model_kernels(attn_backend_name: str) -> ModelKernels | None:
+    """The kernel family that goes with an attention backend; None for plain torch."""
+    if attn_backend_name == "triton":
+        from engine.kernels.rms_norm import rms_norm
+        from engine.kernels.rotary import rotary_embedding
+        from engine.kernels.silu_and_mul import silu_and_mul
+
+        return ModelKernels("triton", rms_norm, rotary_embedding, silu_and_mul)
+    if attn_backend_name == "cpu":
+        from engine.kernels import cpu_ops
+
+        return ModelKernels("cpu", cpu_ops.rms_norm, cpu_ops.rotary_embedding, cpu_ops.silu_and_mul)
+    return None
+
+
+ACTIVATIONS = (None, "silu_and_mul")
+
+
+class LinearMethod:
+    """How a `Linear` stores and multiplies its weight; one instance serves every layer."""
+
+    name = "unquantized"
+    # The dtype the checkpoint is loaded in (None: the model's dtype).
+    load_dtype: torch.dtype | None = None
+
+    def __init__(self, kernels: ModelKernels | None) -> None:
+        self.kernels = kernels
+
+    def process_weights(self, layer: Linear) -> None:
+        """Called once the checkpoint is loaded: bring the weight into its runtime form."""
+        if layer.bias is not None:
+            layer.bias_f32 = layer.bias.detach().float().contiguous()
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """x `[T, in_features]` -> `[T, out_features]` (after the layer's activation)."""
+        if (
+            self.kernels is not None
+            and self.kernels.name == "cpu"
+            and x.shape[0] <= CPU_FLOAT_KERNEL_MAX_TOKENS
+        ):
+            from engine.kernels.cpu_linear import linear_float
+
+            return linear_float(x, layer.weight, layer.bias_f32, layer.activation == "silu_and_mul")
+        return self.activate(layer, F.linear(x, layer.weight, layer.bias))
+
+    def activate(self, layer: Linear, y: torch.Tensor) -> torch.Tensor:
+        if layer.activation is None:
+            return y
+        if self.kernels is not None:
+            return self.kernels.silu_and_mul(y)
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class Linear(nn.Module):
+    """y = activation(x W^T + b); `weight` `[out_features, in_features]` as loaded."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        method: LinearMethod,
+        activation: str | None = None,
+    ) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.method = method
+        self.activation = activation
+        dtype = method.load_dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self.bias_f32: torch.Tensor | None = None  # the bias in fp32, for C epilogues
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"method={self.method.name}, activation={self.activation}"
+        )
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding. Tied to the LM head (`tie_to`), it shares the head's weight, and once a
+    quantizing method has taken that weight, rows come from the head's quantized form."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, kernels: ModelKernels | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.kernels = kernels
+        self.tied_head: Linear | None = None
+
+    def tie_to(self, head: Linear) -> None:
+        self.weight = head.weight
+        # A reference, not a submodule: the head belongs to the model (one state_dict entry).
+        object.__setattr__(self, "tied_head", head)
+
+    def forward(self, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`[T]` ids -> `[T, hidden]` in `dtype` (the model's activation dtype)."""
+        head = self.tied_head
+        if head is not None and head.weight is None:  # quantized: the head owns the rows
+            return head.method.embed(head, input_ids, dtype)
+        if self.kernels is not None and self.kernels.name == "cpu":
+            from engine.kernels.cpu_ops import embedding
+
+            return embedding(input_ids, self.weight, dtype)
+        return F.embedding(input_ids, self.weight).to(dtype)

@@ -1,0 +1,274 @@
+"""kvrail's C kernels for the CPU against their PyTorch references, their build, and graphs.
+
+Linear kernels: W8A8 int8 and the small-M float kernel; the model's small ops (same references
+as the Triton kernels); the KV write (float and fp8); capture and replay of CPU graphs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import cpu_build, cpu_linear, cpu_ops, cpu_runtime
+from engine.kernels.kv_cache_write import write_kv_cache_ref
+from engine.kernels.rms_norm import rms_norm_ref
+from engine.kernels.rotary import build_cos_sin_cache, rotary_embedding_ref
+from engine.kernels.silu_and_mul import silu_and_mul_ref
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _rebuild() -> None:
+    cpu_build.load_library.cache_clear()
+    cpu_runtime.library.cache_clear()
+    cpu_runtime._kernel_address.cache_clear()
+
+
+def test_build_is_cached_and_fails_clearly(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVRAIL_CACHE_DIR", str(tmp_path))
+    _rebuild()
+    try:
+        cpu_runtime.library()
+        (built,) = (tmp_path / "kernels").glob("*.so")
+        built_at = built.stat().st_mtime_ns
+        _rebuild()
+        cpu_runtime.library()  # the cached library is loaded, not rebuilt
+        assert [p.stat().st_mtime_ns for p in (tmp_path / "kernels").glob("*.so")] == [built_at]
+        _rebuild()
+        monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+        with pytest.raises(RuntimeError, match=r"building cpu_\w+\.c failed"):
+            cpu_runtime.library()
+    finally:
+        _rebuild()
+
+
+def test_loading_the_library_leaves_subnormals_alone(tmp_path, monkeypatch):
+    """Built with -ffast-math, the library must not flush subnormals to zero process-wide
+    (gcc links crtfastmath.o into a library linked with -ffast-math)."""
+    monkeypatch.setenv("KVRAIL_CACHE_DIR", str(tmp_path))
+    _rebuild()
+    try:
+        cpu_runtime.library()
+        assert sys.float_info.min / 2 > 0.0
+        assert (torch.tensor([1e-39]) * 0.5).item() > 0.0  # fp32 subnormal survives
+    finally:
+        _rebuild()
+
+
+# Linear layers ------------------------------------------------------------------------------
+
+# M = 1, 7, 64, 300 (the issue's sizes: register-tile remainders of 6 rows and 4 panels);
+# N and K off every tile size; with and without bias and the fused SiLU-and-multiply.
+LINEAR_CASES = [
+    (1, 40, 36, False, True),
+    (7, 34, 20, True, False),
+    (64, 96, 72, False, False),
+    (300, 50, 100, True, True),
+]
+
+
+def _int8_inputs(m, n, k, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    bias = torch.randn(n, generator=gen)
+    return x, w, bias
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,silu_mul,has_bias", LINEAR_CASES)
+def test_w8a8_matches_its_reference(dtype, m, n, k, silu_mul, has_bias):
+    x, w, bias = _int8_inputs(m, 2 * n if silu_mul else n, k, dtype)
+    bias = bias if has_bias else None
+    w_q, w_scale = cpu_linear.quantize_int8_ref(w, dim=1)
+    packed = cpu_linear.pack_int8(w_q, w_scale, bias, silu_mul)
+    out = cpu_linear.linear_w8a8(x, packed)
+    expected = cpu_linear.linear_w8a8_ref(x, w_q, w_scale, bias, silu_mul)
+    assert out.shape == expected.shape == (m, n) and out.dtype == dtype
+    # Same integer sums; an activation exactly halfway between two int8 steps may round the
+    # other way (the kernel multiplies by 127 / max, the reference divides by max / 127): allow
+    # one step on one activation, through SiLU-and-multiply where fused, plus the output
+    # dtype's rounding.
+    _, x_scale = cpu_linear.quantize_int8_ref(x)
+    step = x_scale[:, None] * (w_q.abs().amax(dim=1).float() * w_scale)[None, :]
+    if silu_mul:
+        pre = cpu_linear.linear_w8a8_ref(x.float(), w_q, w_scale, bias).float()
+        gate, up = pre.chunk(2, dim=-1)
+        step_gate, step_up = step.chunk(2, dim=-1)
+        step = 1.1 * up.abs() * step_gate + F.silu(gate).abs() * step_up  # |silu'| <= 1.1
+    eps = 0.0 if dtype == torch.float32 else 2**-7  # one bf16 ulp
+    bound = step + eps * expected.float().abs() + 1e-5
+    assert ((out.float() - expected.float()).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+def test_w8a8_is_close_to_the_float_linear(m):
+    """W8A8 against the unquantized x W^T + b in fp32. Tolerance: int8 keeps ~7 bits per
+    value; on these Gaussian inputs the measured relative error of the output is 0.87-0.97%
+    (rms), so 2% flags a wrong scale or offset (errors of order 100%) without flakiness."""
+    x, w, bias = _int8_inputs(m, 48, 200, torch.float32, seed=m)
+    w_q, w_scale = cpu_linear.quantize_int8_ref(w, dim=1)
+    out = cpu_linear.linear_w8a8(x, cpu_linear.pack_int8(w_q, w_scale, bias, False))
+    expected = F.linear(x, w, bias)
+    assert (out - expected).norm() / expected.norm() < 0.02
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,silu_mul,has_bias", LINEAR_CASES[:3])
+def test_float_kernel_matches_torch(dtype, m, n, k, silu_mul, has_bias):
+    x, w, bias = _int8_inputs(m, 2 * n if silu_mul else n, k, dtype)
+    bias = bias if has_bias else None
+    out = cpu_linear.linear_float(x, w.to(dtype).contiguous(), bias, silu_mul)
+    expected = F.linear(x.float(), w.to(dtype).float(), bias)
+    if silu_mul:
+        expected = silu_and_mul_ref(expected)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), expected, **tol)
+
+
+def test_linear_kernels_reject_what_they_cannot_read():
+    x = torch.randn(3, 8)
+    w_q, w_scale = cpu_linear.quantize_int8_ref(torch.randn(4, 8), dim=1)
+    packed = cpu_linear.pack_int8(w_q, w_scale, None, False)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        cpu_linear.linear_w8a8(x.t().contiguous().t(), packed)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_linear.linear_w8a8(x.half(), packed)
+    with pytest.raises(ValueError, match="even number of rows"):
+        cpu_linear.pack_int8(w_q[:3], w_scale[:3], None, True)
+    with pytest.raises(ValueError, match="of x's dtype"):
+        cpu_linear.linear_float(x, torch.randn(4, 8).bfloat16(), None)
+
+
+def test_packing_keeps_gate_and_up_panels_together():
+    rows = cpu_linear.packed_rows(2 * 20, silu_mul=True).view(-1, 16)
+    # pairs of (gate, up) panels; the second pair is half padding
+    assert rows[0].tolist() == list(range(16)) and rows[1].tolist() == list(range(20, 36))
+    assert rows[2, :4].tolist() == [16, 17, 18, 19] and (rows[2, 4:] == -1).all()
+    assert rows[3, :4].tolist() == [36, 37, 38, 39] and (rows[3, 4:] == -1).all()
+
+
+# Small ops ------------------------------------------------------------------------------------
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 2, 40, generator=gen).to(dtype)[:, 0]  # strided rows
+    residual = torch.randn(5, 40, generator=gen).to(dtype)
+    weight = torch.randn(40, generator=gen).to(dtype)
+    torch.testing.assert_close(
+        cpu_ops.rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6), **TOL[dtype]
+    )
+    out, summed = cpu_ops.rms_norm(x, weight, 1e-6, residual)
+    expected, expected_sum = rms_norm_ref(x, weight, 1e-6, residual)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    assert torch.equal(summed, expected_sum)
+    # Per-head rows of a strided q (Qwen3's q/k norm).
+    q = torch.randn(3, 7 * 16, generator=gen).to(dtype)[:, : 4 * 16].view(3, 4, 16)
+    w16 = torch.randn(16, generator=gen).to(dtype)
+    torch.testing.assert_close(
+        cpu_ops.rms_norm(q, w16, 1e-6), rms_norm_ref(q, w16, 1e-6), **TOL[dtype]
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place(dtype):
+    gen = torch.Generator().manual_seed(1)
+    cache = build_cos_sin_cache(1.0 / 10000 ** (torch.arange(0, 16, 2) / 16), 64)
+    qkv = torch.randn(6, (4 + 2 + 2) * 16, generator=gen).to(dtype)
+    q, k = qkv[:, :64].view(6, 4, 16), qkv[:, 64:96].view(6, 2, 16)
+    positions = torch.tensor([0, 5, 63, 1, 2, 30])
+    expected_q, expected_k = rotary_embedding_ref(positions, q, k, cache)
+    v_before = qkv[:, 96:].clone()
+    cpu_ops.rotary_embedding(positions, q, k, cache)
+    torch.testing.assert_close(q, expected_q, **TOL[dtype])
+    torch.testing.assert_close(k, expected_k, **TOL[dtype])
+    assert torch.equal(qkv[:, 96:], v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = torch.randn(5, 2 * 24).to(dtype)
+    torch.testing.assert_close(cpu_ops.silu_and_mul(x), silu_and_mul_ref(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding(dtype):
+    weight = torch.randn(50, 24).to(dtype)
+    ids = torch.tensor([3, 0, 49, 3])
+    assert torch.equal(cpu_ops.embedding(ids, weight, dtype), weight[ids])
+    # Rows of an int8 LM head packed in panels, with a column scale (SmoothQuant undone).
+    w_q, w_scale = cpu_linear.quantize_int8_ref(torch.randn(50, 24), dim=1)
+    packed = cpu_linear.pack_int8(w_q, w_scale, None, False)
+    col_scale = torch.rand(24) + 0.5
+    rows = cpu_ops.embedding_int8(ids, packed.packed, packed.scale, col_scale, 50, 24, dtype)
+    expected = (w_q[ids].float() * w_scale[ids, None] * col_scale).to(dtype)
+    torch.testing.assert_close(rows, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_cache(dtype):
+    gen = torch.Generator().manual_seed(2)
+    k_cache = torch.randn(4, 8, 2, 16, generator=gen).to(dtype)
+    v_cache = torch.randn(4, 8, 2, 16, generator=gen).to(dtype)
+    kv = torch.randn(5, 3, 2, 16, generator=gen).to(dtype)
+    k, v = kv[:, 1], kv[:, 2]  # strided, as after splitting qkv
+    slots = torch.tensor([0, 17, -1, 31, 8])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv_cache_ref(k, v, expected_k, expected_v, slots)
+    cpu_ops.write_kv_cache(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_write_kv_cache_fp8_rounds_and_saturates_like_torch():
+    # Normals, subnormals, halfway cases, values past +-448 once scaled, zeros.
+    values = torch.cat(
+        [torch.randn(200) * 30, torch.randn(100) * 0.01, torch.tensor([0.0, -0.0, 1e6, -1e6])]
+    )
+    values = torch.cat([values, torch.zeros(512 - len(values))]).view(16, 2, 16)
+    k_cache = torch.zeros(4, 4, 2, 16, dtype=torch.float8_e4m3fn)
+    v_cache = torch.zeros_like(k_cache)
+    k_scale, v_scale = 0.5, 0.02
+    cpu_ops.write_kv_cache(values, -values, k_cache, v_cache, torch.arange(16), k_scale, v_scale)
+
+    def encode(x, scale):
+        return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+    stored_k = k_cache.view(16, 2, 16).view(torch.uint8)
+    stored_v = v_cache.view(16, 2, 16).view(torch.uint8)
+    assert torch.equal(stored_k, encode(values, k_scale).view(torch.uint8))
+    assert torch.equal(stored_v, encode(-values, v_scale).view(torch.uint8))
+
+
+# CPU graphs -----------------------------------------------------------------------------------
+
+
+def test_graph_replays_what_it_captured_on_new_inputs():
+    x = torch.randn(3, 40)
+    w_q, w_scale = cpu_linear.quantize_int8_ref(torch.randn(64, 40), dim=1)
+    packed = cpu_linear.pack_int8(w_q, w_scale, None, True)
+    norm_weight = torch.randn(40)
+    with cpu_runtime.capture() as graph:
+        y = cpu_linear.linear_w8a8(cpu_ops.rms_norm(x, norm_weight, 1e-6), packed)
+    assert len(graph.nodes) == 3  # norm, quantize, multiply
+    for seed in range(3):  # new values in the captured input buffer, then one replay
+        x.copy_(torch.randn(3, 40, generator=torch.Generator().manual_seed(seed)))
+        graph.replay()
+        expected = cpu_linear.linear_w8a8(cpu_ops.rms_norm(x, norm_weight, 1e-6), packed)
+        assert torch.equal(y, expected)
+
+
+def test_capture_refuses_ops_that_would_not_replay():
+    x = torch.randn(3, 40)
+    with pytest.raises(RuntimeError, match=r"aten\.add"), cpu_runtime.capture():
+        torch.add(x, 1)
+    with cpu_runtime.capture() as graph:  # views and allocations are fine
+        x[1:].view(2, 4, 10).transpose(0, 1)
+        torch.empty(5)
+    assert graph.nodes == []
