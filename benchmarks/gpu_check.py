@@ -1,4 +1,4 @@
-"""GPU check: kernels vs references, engine-vs-HF greedy parity, offline throughput.
+"""GPU check: kernels vs references, int8 / fp8 linears vs bf16, engine-vs-HF parity, throughput.
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py [--quick] [--dry-run]
 
@@ -90,11 +90,13 @@ class Scale:
     step_batch: int  # decode step timing
     step_context: int
     model: dict
+    linear_tokens: tuple[int, ...] = (1, 16, 256, 2048)  # quantized linear timing
+    linear_check_tokens: tuple[int, ...] = (1, 7, 300)  # and checks at odd M
 
 
 FULL = Scale(64, 16384, 2048, 4096, 8192, 8, 32, 256, 1024, 100, 32, 256, 256, 1024, QWEN3_0_6B)
 QUICK = Scale(32, 8192, 1024, 2048, 4096, 4, 16, 64, 512, 100, 16, 64, 256, 512, QWEN3_0_6B)
-DRY = Scale(2, 40, 20, 13, 6, 2, 4, 3, 12, 4, 2, 4, 2, 12, TINY)
+DRY = Scale(2, 40, 20, 13, 6, 2, 4, 3, 12, 4, 2, 4, 2, 12, TINY, (1, 16), (1, 7, 33))
 
 
 def timeit(fn: Callable[[], object], device: torch.device, reps: int = 20) -> float:
@@ -316,6 +318,110 @@ def check_kernels_for(model: dict, scale: Scale, device: torch.device) -> dict:
     return results
 
 
+def linear_shapes(model: dict) -> dict[str, tuple[int, int]]:
+    """(N, K) of each linear layer of one decoder layer (fused qkv and gate/up)."""
+    hidden, q = model["hidden_size"], model["num_attention_heads"] * model["head_dim"]
+    kv = model["num_key_value_heads"] * model["head_dim"]
+    return {
+        "qkv_proj": (q + 2 * kv, hidden),
+        "o_proj": (hidden, q),
+        "gate_up_proj": (2 * model["intermediate_size"], hidden),
+        "down_proj": (hidden, model["intermediate_size"]),
+    }
+
+
+def check_quantized(
+    scale: Scale,
+    device: torch.device,
+    quantize: Callable[[torch.Tensor, str], tuple[torch.Tensor, torch.Tensor]],
+    linear: Callable[..., torch.Tensor],
+    reference: Callable[..., torch.Tensor],
+    x_dtype: torch.dtype,
+    bias_dtype: torch.dtype,
+) -> dict:
+    """A quantized linear against its reference (with a bias) at odd M on every linear layer
+    of both models, and its time against bf16 F.linear without bias: TFLOP/s, weight read
+    GB/s (what bounds small M) and speedup = bf16 time / quantized time."""
+    import torch.nn.functional as F
+
+    models = {"qwen3-0.6b": QWEN3_0_6B, "llama-3.2-1b": LLAMA_3_2_1B}
+    if scale is DRY:
+        models = {"tiny": TINY}
+    gen = torch.Generator(device=device).manual_seed(0)
+    results: dict = {}
+    for name, model in models.items():
+        for layer, (n, k) in linear_shapes(model).items():
+            w = torch.randn(n, k, generator=gen, device=device) * k**-0.5
+            w_q, w_scale = quantize(w, layer)
+            bias = torch.randn(n, generator=gen, device=device).to(bias_dtype)
+            row: dict = dict(n=n, k=k, rel_err={})
+            for m in scale.linear_check_tokens:
+                x = torch.randn(m, k, generator=gen, device=device).to(x_dtype)
+                expected = reference(x, w_q, w_scale, bias)
+                row["rel_err"][m] = _rel_err(linear(x, w_q, w_scale, bias), expected)
+            w_bf16 = w.to(torch.bfloat16)
+            for m in scale.linear_tokens:
+                x = torch.randn(m, k, generator=gen, device=device)
+                x_bf16, x_in = x.to(torch.bfloat16), x.to(x_dtype)
+                bf16_s = timeit(lambda: F.linear(x_bf16, w_bf16), device)  # noqa: B023
+                quant_s = timeit(lambda: linear(x_in, w_q, w_scale), device)  # noqa: B023
+                flops = 2 * m * n * k
+                row[f"m{m}"] = dict(
+                    bf16_tflops=flops / bf16_s / 1e12,
+                    tflops=flops / quant_s / 1e12,
+                    bf16_weight_gbs=2 * n * k / bf16_s / 1e9,
+                    weight_gbs=w_q.numel() * w_q.element_size() / quant_s / 1e9,
+                    speedup=bf16_s / quant_s,
+                )
+            results[f"{name}/{layer}"] = row
+    results["max_rel_err"] = max(err for row in results.values() for err in row["rel_err"].values())
+    return results
+
+
+def check_int8_linear(scale: Scale, device: torch.device, workdir: Path) -> dict:
+    """W8A8 int8 (Triton) vs its reference and bf16 F.linear; also the per-token quantization
+    kernel's q against the reference (GPU division and FMA may flip near-ties by 1)."""
+    from engine.kernels import int8_gemm as i8
+
+    # The interpreter's bf16 is unusable (field notes): float32 activations on the dry run.
+    x_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    results = check_quantized(
+        scale,
+        device,
+        lambda w, layer: i8.quantize_rows_int8(w),
+        i8.int8_linear,
+        i8.int8_linear_ref,
+        x_dtype,
+        torch.float32,
+    )
+    hidden = (QWEN3_0_6B if scale is not DRY else TINY)["hidden_size"]
+    x = torch.randn(max(scale.linear_tokens), hidden, device=device).to(x_dtype)
+    (x_q, x_scale), (ref_q, ref_scale) = i8.quantize_per_token_int8(x), i8.quantize_rows_int8(x)
+    results["quantize"] = dict(
+        tokens=x.shape[0],
+        q_mismatches=int((x_q != ref_q).sum()),
+        q_max_diff=int((x_q.int() - ref_q.int()).abs().max()),
+        scale_rel_err=_rel_err(x_scale, ref_scale),
+        seconds=timeit(lambda: i8.quantize_per_token_int8(x), device),
+    )
+    return results
+
+
+def check_fp8_linear(scale: Scale, device: torch.device, workdir: Path) -> dict:
+    """fp8 (torch._scaled_mm, row-wise scales) vs its reference and bf16 F.linear, where
+    `fp8_supported` allows it. The dry run runs it anyway: _scaled_mm runs on CPU."""
+    from engine.kernels import fp8_linear as f8
+
+    supported, reason = f8.fp8_supported(device, torch.bfloat16)
+    results: dict = dict(supported=supported, reason=reason)
+    if supported or device.type == "cpu":
+        dtype = torch.bfloat16
+        results |= check_quantized(
+            scale, device, f8.quantize_weight_fp8, f8.fp8_linear, f8.fp8_linear_ref, dtype, dtype
+        )
+    return results
+
+
 def check_parity(scale: Scale, device: torch.device, workdir: Path) -> dict:
     """Greedy tokens of the engine (triton backend, fp32) vs HF `generate` on a tiny model."""
     from transformers import AutoModelForCausalLM
@@ -450,7 +556,13 @@ def decode_step_time(llm, scale: Scale, device: torch.device) -> dict:
     )
 
 
-SECTIONS = {"kernels": check_kernels, "parity": check_parity, "throughput": check_throughput}
+SECTIONS = {
+    "kernels": check_kernels,
+    "int8_linear": check_int8_linear,
+    "fp8_linear": check_fp8_linear,
+    "parity": check_parity,
+    "throughput": check_throughput,
+}
 TARGETS = [
     (
         "decode attention / copy bandwidth (Qwen3-0.6B shapes)",
