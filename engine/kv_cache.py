@@ -149,8 +149,11 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of the request, in full blocks, never covering its last token
-        (its logits are needed). Returns the blocks (not yet referenced) and their tokens."""
-        if not self.enable_caching:
+        (its logits are needed). Returns the blocks (not yet referenced) and their tokens.
+
+        None for a request asking for prompt logprobs: it needs every prompt position's logits.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(request)
         max_num_blocks = (request.num_tokens - 1) // self.block_size

@@ -21,7 +21,13 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_core import EngineCore
 from engine.loader import load_tokenizer, resolve_model
-from engine.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
+from engine.outputs import (
+    CompletionOutput,
+    EngineCoreOutput,
+    Logprob,
+    LogprobsEntry,
+    RequestOutput,
+)
 from engine.request import Request, SamplingParams
 from engine.scheduler import SchedulerStats
 
@@ -118,6 +124,10 @@ class LLMEngine:
         `resume` continues a request whose earlier output was delivered elsewhere (a worker
         died): per choice index, the tokens already emitted (recomputed, never emitted
         again), or None for a choice that already finished.
+
+        Prompt logprobs are computed once, by choice 0 (the others take its prompt blocks
+        from the prefix cache), and travel with its first token: a resumed request computes
+        them again only when choice 0 had emitted nothing, i.e. they were never delivered.
         """
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -149,6 +159,8 @@ class LLMEngine:
                 child_params.seed = params.seed + index
             if emitted and child_params.max_tokens is not None:
                 child_params.max_tokens = max(1, child_params.max_tokens - len(emitted))
+            if index > 0 or emitted:
+                child_params.prompt_logprobs = None
             children[child_id] = ChildState(
                 index=index,
                 detokenizer=IncrementalDetokenizer(
@@ -195,6 +207,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step. Returns, per request that progressed, the new text and tokens."""
         deltas: dict[str, list[CompletionOutput]] = {}
+        prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = {}
         stops: dict[str, str] = {}
         for out in self.engine_core.step():
             parent_id = self.child_to_parent.get(out.request_id)
@@ -203,6 +216,10 @@ class LLMEngine:
             parent = self.parents[parent_id]
             delta = self._process_output(parent, out, stops)
             deltas.setdefault(parent_id, []).append(delta)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[parent_id] = [None] + [
+                    self._to_logprob_dict(entry) for entry in out.prompt_logprobs
+                ]
         if stops:
             self.engine_core.finish_requests_by_stop_string(stops)
         outputs = []
@@ -217,6 +234,7 @@ class LLMEngine:
                     outputs=completions,
                     finished=finished,
                     num_cached_tokens=parent.num_cached_tokens,
+                    prompt_logprobs=prompt_logprobs.get(parent_id),
                 )
             )
             if finished:
@@ -252,7 +270,9 @@ class LLMEngine:
             stop_reason=stop_reason,
         )
 
-    def _to_logprob_dict(self, entry) -> dict[int, Logprob]:
+    def _to_logprob_dict(self, entry: LogprobsEntry) -> dict[int, Logprob]:
+        """Column 0 (the sampled or prompt token) with its rank, then the top-N ranked 1..N;
+        a token in both keeps its first entry."""
         result: dict[int, Logprob] = {}
         decode = self.tokenizer.convert_ids_to_tokens
         for i, (token_id, logprob) in enumerate(zip(entry.token_ids, entry.logprobs, strict=True)):
@@ -288,6 +308,8 @@ def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutpu
     acc.outputs = sorted(by_index.values(), key=lambda c: c.index)
     acc.finished = delta.finished
     acc.num_cached_tokens = delta.num_cached_tokens
+    if delta.prompt_logprobs is not None:
+        acc.prompt_logprobs = delta.prompt_logprobs
     return acc
 
 

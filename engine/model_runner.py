@@ -37,11 +37,15 @@ from engine.loader import load_model
 from engine.models.layers import model_kernels
 from engine.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from engine.request import SamplingParams
-from engine.sampler import Sampler, SamplingMetadata
+from engine.sampler import Sampler, SamplingMetadata, gather_logprobs
 
 logger = logging.getLogger("kvrail.model_runner")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Prompt logprobs take logits of every prompt row: a 2048-token prefill would hold 0.4-1.2 GB
+# of fp32 logits (vocab 49k-152k) at once, so rows go through in slices of this many (40-160
+# MB per slice for the logits, as much again for their log_softmax).
+_PROMPT_LOGPROBS_ROWS = 256
 
 
 def resolve_device(name: str) -> torch.device:
@@ -69,6 +73,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs computed so far (entry j: position j + 1); None when not asked or
+    # already returned. Kept across a preemption, so recomputed rows are not redone.
+    prompt_logprobs: list[LogprobsEntry] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -284,6 +291,7 @@ class ModelRunner:
                 generator=generator,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                prompt_logprobs=[] if params.prompt_logprobs is not None else None,
             )
             self.requests[new.req_id] = state
             self.token_ids_cpu[state.row, : len(new.prompt_token_ids)] = new.prompt_token_ids
@@ -355,6 +363,7 @@ class ModelRunner:
         else:
             with set_forward_context(self.attn_backend.build(common)):
                 hidden_states = self.model(input_ids, positions)
+        prompt_logprobs = self._compute_prompt_logprobs(scheduler_output, req_ids, hidden_states)
         sampling_states = [self.requests[r] for r, s in zip(req_ids, is_sampling, strict=True) if s]
         sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[LogprobsEntry | None] = [None] * len(req_ids)
@@ -385,4 +394,59 @@ class ModelRunner:
                     self.token_ids_cpu[state.row, state.num_tokens - 1] = tokens[j]
                 sampled_token_ids[sample_idx[j]] = [tokens[j]]
                 logprobs[sample_idx[j]] = entries[j]
-        return ModelRunnerOutput(req_ids, sampled_token_ids, logprobs)
+        return ModelRunnerOutput(req_ids, sampled_token_ids, logprobs, prompt_logprobs)
+
+    def _compute_prompt_logprobs(
+        self, scheduler_output: SchedulerOutput, req_ids: list[str], hidden_states: torch.Tensor
+    ) -> dict[str, list[LogprobsEntry]]:
+        """Prompt logprobs from this step's rows, for the requests that ask for them.
+
+        The row of prompt position p gives log P(prompt[p + 1] | prompt[:p + 1]). Entries
+        accumulate in the request's state chunk by chunk; the step that completes the prompt
+        returns them all (req_id -> [P - 1] entries). Rows recomputed after a preemption are
+        skipped: the entries computed before it are kept.
+        """
+        if all(self.requests[r].prompt_logprobs is None for r in req_ids):
+            return {}
+        rows: list[int] = []  # rows of `hidden_states` to take logits of
+        target_ids: list[int] = []  # per row, the next prompt token
+        num_logprobs: list[int] = []  # per row, its request's top-N
+        segments: list[tuple[CachedRequestState, int]] = []  # (request, its number of rows)
+        completed: list[CachedRequestState] = []
+        row_start = 0
+        for req_id in req_ids:
+            state = self.requests[req_id]
+            num_scheduled = scheduler_output.num_scheduled_tokens[req_id]
+            if state.prompt_logprobs is not None:
+                computed, num_prompt = state.num_computed_tokens, len(state.prompt_token_ids)
+                first = max(computed, len(state.prompt_logprobs))
+                last = min(computed + num_scheduled, num_prompt - 1)
+                # No prefix-cache hits for these requests: their rows arrive in order.
+                assert computed <= len(state.prompt_logprobs), (req_id, computed)
+                if first < last:
+                    rows.extend(range(row_start + first - computed, row_start + last - computed))
+                    target_ids.extend(state.prompt_token_ids[first + 1 : last + 1])
+                    num_logprobs += [state.sampling_params.prompt_logprobs] * (last - first)
+                    segments.append((state, last - first))
+                if computed + num_scheduled >= num_prompt:
+                    completed.append(state)
+            row_start += num_scheduled
+        entries: list[LogprobsEntry] = []
+        for i in range(0, len(rows), _PROMPT_LOGPROBS_ROWS):
+            j = i + _PROMPT_LOGPROBS_ROWS
+            hidden = hidden_states[self._to_device(np.array(rows[i:j]))]
+            logprobs = torch.log_softmax(
+                self.model.compute_logits(hidden), dim=-1, dtype=torch.float32
+            )
+            target = self._to_device(np.array(target_ids[i:j], dtype=np.int64))
+            top = gather_logprobs(logprobs, max(num_logprobs[i:j]), target)
+            entries += top.to_entries(num_logprobs[i:j])
+            del logprobs  # peak memory: one slice's logits and logprobs
+        start = 0
+        for state, num_rows in segments:
+            state.prompt_logprobs += entries[start : start + num_rows]
+            start += num_rows
+        result = {}
+        for state in completed:
+            result[state.req_id], state.prompt_logprobs = state.prompt_logprobs, None
+        return result

@@ -44,7 +44,8 @@ class SchedulerOutput:
 
 @dataclass
 class LogprobsEntry:
-    """Logprobs at one sampled position: column 0 is the sampled token, then the top-N."""
+    """Logprobs at one position: column 0 is the sampled token (for prompt logprobs, the
+    prompt's own token), then the top-N."""
 
     token_ids: list[int]  # [1 + N]
     logprobs: list[float]  # [1 + N]
@@ -56,6 +57,9 @@ class ModelRunnerOutput:
     req_ids: list[str]  # [num_reqs] in the order of the step's batch
     sampled_token_ids: list[list[int]]  # [num_reqs][0 or 1]: empty while a prefill is partial
     logprobs: list[LogprobsEntry | None]  # [num_reqs]
+    # req_id -> one entry per prompt position 1..P-1 ([P - 1]), for the requests asking for
+    # prompt logprobs whose prompt was completed by this step; empty for all others
+    prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,6 +69,7 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[LogprobsEntry] = field(default_factory=list)
+    prompt_logprobs: list[LogprobsEntry] | None = None  # [P - 1], once, with the first token
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -107,3 +112,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # When asked: per prompt position, None at 0, then the prompt's token and the top-N. A
+    # `LLMEngine.step` delta has it once, on the step that completed the prompt.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -41,6 +41,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2], on output tokens
     repetition_penalty: float = 1.0  # > 0, on prompt and output tokens
     logprobs: int | None = None  # top-N logprobs per sampled token (plus the sampled one)
+    # top-N logprobs per prompt position (plus the prompt's own token); such a request takes
+    # no prefix-cache hits, as every prompt position needs its logits
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
     skip_special_tokens: bool = True
 
@@ -104,12 +107,13 @@ class SamplingParams:
             "repetition_penalty",
             "must be in (0, 2]",
         )
-        check(
-            self.logprobs is None
-            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            "logprobs",
-            f"must be an integer in [0, {MAX_LOGPROBS}]",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                name,
+                f"must be an integer in [0, {MAX_LOGPROBS}]",
+            )
         check(
             self.logit_bias is None
             or (

@@ -212,7 +212,9 @@ class Scheduler:
             request = self.requests.get(req_id)
             new_token_ids = runner_output.sampled_token_ids[i]
             if request is None or not new_token_ids:
-                continue  # aborted during the step, or a prefill chunk that samples nothing
+                # Aborted during the step, or a prefill chunk that samples nothing (prompt
+                # logprobs come with the first token: the step that completes the prompt).
+                continue
             request.append_output_token_ids(new_token_ids)
             self._check_stop(request)
             logprobs = runner_output.logprobs[i]
@@ -221,6 +223,7 @@ class Scheduler:
                     request_id=req_id,
                     new_token_ids=new_token_ids,
                     new_logprobs=[logprobs] if logprobs is not None else [],
+                    prompt_logprobs=runner_output.prompt_logprobs.get(req_id),
                     finish_reason=request.get_finished_reason(),
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,

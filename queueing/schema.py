@@ -67,6 +67,19 @@ class SchemaError(ValueError):
     """A message that does not follow the schema; the text says what is wrong."""
 
 
+def check_prompt_logprobs_size(num_prompt_tokens: int, num_logprobs: int) -> None:
+    """Raise SchemaError unless a prompt's logprobs (top-`num_logprobs`) fit in the one chunk
+    that carries them. In msgpack a position takes at most 3 bytes of array header, 20 for
+    the prompt token's [id, lp, rank] and 16 per top-N one (rank <= 20); 64 KiB stay for the
+    rest of the chunk. So 12k prompt tokens with top-20, any prompt with top-0."""
+    max_tokens = (MAX_MESSAGE_BYTES - (64 << 10)) // (23 + 16 * num_logprobs)
+    if num_prompt_tokens > max_tokens:
+        raise SchemaError(
+            f"prompt_logprobs {num_logprobs} allows prompts of at most {max_tokens} tokens, "
+            f"this one has {num_prompt_tokens}"
+        )
+
+
 # Sampling fields accepted on the wire, with their types (validated again by SamplingParams).
 SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "n": (int,),
@@ -85,6 +98,7 @@ SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "frequency_penalty": (int, float),
     "repetition_penalty": (int, float),
     "logprobs": (int, type(None)),
+    "prompt_logprobs": (int, type(None)),
     "logit_bias": (dict, type(None)),
     "skip_special_tokens": (bool,),
 }
@@ -213,6 +227,9 @@ class TokenChunk(_Message):
     logprobs: list[list[list[int | float]]] | None = (
         None  # per token: [[id, lp], ...], sampled first
     )
+    # Once per request, on choice 0's first chunk, when asked: per prompt position, None at 0,
+    # then [[id, lp, rank], ...] with the prompt's token first, then the top-N
+    prompt_logprobs: list[list[list[int | float]] | None] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
@@ -225,6 +242,7 @@ class TokenChunk(_Message):
         "token_ids": (list,),
         "text": (str,),
         "logprobs": (list, type(None)),
+        "prompt_logprobs": (list, type(None)),
         "finish_reason": (str, type(None)),
         "stop_reason": (int, str, type(None)),
         "usage": (dict, type(None)),

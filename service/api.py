@@ -34,7 +34,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine import envs, loader
 from engine.loader import resolve_model
 from queueing.client import KvrailClient, RedisDataLost, StreamError, StreamTimeout
-from queueing.schema import GenerateRequest, SchemaError, TokenChunk, WorkerInfo, keys
+from queueing.schema import (
+    GenerateRequest,
+    SchemaError,
+    TokenChunk,
+    WorkerInfo,
+    check_prompt_logprobs_size,
+    keys,
+)
 from service import metrics
 from service.openai_protocol import (
     ApiError,
@@ -217,6 +224,11 @@ async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
     _check_length(
         len(prompt_ids), parsed.sampling["max_tokens"], await state.serving_max_model_len()
     )
+    if parsed.sampling.get("prompt_logprobs") is not None:
+        try:
+            check_prompt_logprobs_size(len(prompt_ids), parsed.sampling["prompt_logprobs"])
+        except SchemaError as e:
+            raise ApiError(400, str(e), param="prompt_logprobs") from None
     await _check_backlog(state)
     generate = GenerateRequest(
         parsed.request_id, prompt_token_ids=prompt_ids, sampling=parsed.sampling

@@ -21,7 +21,7 @@ from typing import Any
 
 from engine import LLMEngine, RequestOutput, SamplingParams
 from engine.scheduler import SchedulerStats
-from queueing.schema import GenerateRequest
+from queueing.schema import GenerateRequest, check_prompt_logprobs_size
 
 logger = logging.getLogger("kvrail.worker.engine")
 
@@ -132,6 +132,10 @@ class EngineThread(threading.Thread):
         try:
             params = SamplingParams(**request.sampling)
             prompt = self._prompt(request)
+            if params.prompt_logprobs is not None:
+                # They travel in one chunk: refuse a prompt whose chunk would be too large.
+                _, prompt = self.engine.tokenize_prompt(prompt)
+                check_prompt_logprobs_size(len(prompt), params.prompt_logprobs)
             resume = None
             if command.resume is not None:
                 done, emitted = command.resume.finished, command.resume.token_ids

@@ -28,7 +28,7 @@ _NUMBER_FIELDS = (
     "frequency_penalty",
     "repetition_penalty",
 )
-_INT_FIELDS = ("n", "top_k", "min_tokens", "seed")
+_INT_FIELDS = ("n", "top_k", "min_tokens", "seed", "prompt_logprobs")
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
 
@@ -179,6 +179,19 @@ def _parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+def _check_prompt_logprobs_stream(sampling: dict[str, Any], stream: bool) -> None:
+    """vLLM's rule: prompt logprobs are never streamed, so top-N > 0 with stream=true is
+    refused; 0 is accepted and, as nothing would show them, not computed."""
+    num_logprobs = sampling.get("prompt_logprobs")
+    if num_logprobs is None or not stream:
+        return
+    if num_logprobs > 0:
+        raise ApiError(
+            400, "'prompt_logprobs' is not available with stream=true", param="prompt_logprobs"
+        )
+    del sampling["prompt_logprobs"]
+
+
 def _reject_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
     for name in names:
         if body.get(name) not in (None, False, [], ""):
@@ -200,6 +213,7 @@ def parse_completion(body: dict[str, Any], served_model: str, vocab_size: int) -
             raise ApiError(400, f"'logprobs' must be in [0, {MAX_LOGPROBS}]", param="logprobs")
         sampling["logprobs"] = logprobs
     stream, include_usage = _parse_stream(body)
+    _check_prompt_logprobs_stream(sampling, stream)
     return ParsedRequest(
         "completion",
         f"cmpl-{uuid.uuid4().hex}",
@@ -254,6 +268,7 @@ def parse_chat(body: dict[str, Any], served_model: str, vocab_size: int) -> Pars
     if want_logprobs:
         sampling["logprobs"] = top_logprobs or 0
     stream, include_usage = _parse_stream(body)
+    _check_prompt_logprobs_stream(sampling, stream)
     return ParsedRequest(
         "chat", f"chatcmpl-{uuid.uuid4().hex}", sampling, stream, include_usage, messages=messages
     )
@@ -339,6 +354,30 @@ def completion_logprobs(
     return result
 
 
+def prompt_logprobs_json(
+    chunks: list[TokenChunk], token_str: TokenStrings
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt position, null at 0, then {"<token id>": {logprob,
+    rank, decoded_token}} with the prompt's token first; from the chunk that carries them."""
+    wire = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
+    if wire is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            str(t): {
+                # -inf is not JSON: vLLM clamps to -9999.0 as OpenAI does.
+                "logprob": max(float(lp), -9999.0),
+                "rank": int(rank),
+                "decoded_token": token_str(int(t)),
+            }
+            for t, lp, rank in position
+        }
+        for position in wire
+    ]
+
+
 def make_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -383,7 +422,7 @@ def build_response(
         _response_choice(parsed.kind, index, c, want_logprobs, token_str)
         for index, c in sorted(choices.items())
     ]
-    return {
+    response = {
         "id": parsed.request_id,
         "object": "chat.completion" if parsed.kind == "chat" else "text_completion",
         "created": parsed.created,
@@ -391,6 +430,15 @@ def build_response(
         "choices": out,
         "usage": make_usage(prompt_tokens, completion_tokens_of(chunks[-1], chunks)),
     }
+    if "prompt_logprobs" in parsed.sampling:
+        # As vLLM: on each choice of a completion, once at the top of a chat completion.
+        prompt_logprobs = prompt_logprobs_json(chunks, token_str)
+        if parsed.kind == "chat":
+            response["prompt_logprobs"] = prompt_logprobs
+        else:
+            for choice in out:
+                choice["prompt_logprobs"] = prompt_logprobs
+    return response
 
 
 def _response_choice(

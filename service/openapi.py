@@ -59,6 +59,8 @@ _SAMPLING = {
             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
         }
     ),
+    # vLLM's: top-N logprobs of every prompt position (above 0: not with stream=true)
+    "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
     "stream": {"type": "boolean"},
     "stream_options": _nullable(
         {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}
@@ -146,6 +148,28 @@ _CHAT_REQUEST = {
         "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
     },
 }
+# vLLM's prompt_logprobs: null at position 0, then per position the prompt's token and the
+# top-N, keyed by token id.
+_PROMPT_LOGPROBS = _nullable(
+    {
+        "type": "array",
+        "items": _nullable(
+            {
+                "type": "object",
+                "propertyNames": {"pattern": "^[0-9]+$"},
+                "additionalProperties": {
+                    "type": "object",
+                    "required": ["logprob", "rank", "decoded_token"],
+                    "properties": {
+                        "logprob": {"type": "number"},
+                        "rank": {"type": "integer", "minimum": 1},
+                        "decoded_token": {"type": "string"},
+                    },
+                },
+            }
+        ),
+    }
+)
 _CHOICE_COMMON = {
     "index": {"type": "integer"},
     "finish_reason": {"type": ["string", "null"]},
@@ -154,11 +178,14 @@ _CHOICE_COMMON = {
 }
 
 
-def _response(kind: str, choice_props: dict[str, Any]) -> dict[str, Any]:
+def _response(
+    kind: str, choice_props: dict[str, Any], props: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
         "type": "object",
         "required": ["id", "object", "created", "model", "choices", "usage"],
         "properties": {
+            **(props or {}),
             "id": {"type": "string"},
             "object": {"const": kind},
             "created": {"type": "integer"},
@@ -177,7 +204,9 @@ _SCHEMAS = {
     "Usage": _USAGE,
     "CompletionRequest": _COMPLETION_REQUEST,
     "ChatCompletionRequest": _CHAT_REQUEST,
-    "Completion": _response("text_completion", {"text": {"type": "string"}}),
+    "Completion": _response(
+        "text_completion", {"text": {"type": "string"}, "prompt_logprobs": _PROMPT_LOGPROBS}
+    ),
     "ChatCompletion": _response(
         "chat.completion",
         {
@@ -186,6 +215,7 @@ _SCHEMAS = {
                 "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
             }
         },
+        {"prompt_logprobs": _PROMPT_LOGPROBS},
     ),
     "ModelList": {
         "type": "object",

@@ -428,11 +428,20 @@ class Worker:
             logprobs = None
             if c.logprobs is not None:
                 logprobs = [[[t, lp.logprob] for t, lp in d.items()] for d in c.logprobs]
+            prompt_logprobs = None
+            if output.prompt_logprobs is not None and c.index == 0:
+                # With choice 0's first token, in its chunk: a resume then knows from choice
+                # 0's emitted tokens whether they were sent (see `LLMEngine.add_request`).
+                prompt_logprobs = [
+                    None if d is None else [[t, lp.logprob, lp.rank] for t, lp in d.items()]
+                    for d in output.prompt_logprobs
+                ]
             chunk = f.chunk(
                 index=c.index,
                 token_ids=list(c.token_ids),
                 text=c.text,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
