@@ -382,21 +382,25 @@ def check_int8_linear(scale: Scale, device: torch.device, workdir: Path) -> dict
     """W8A8 int8 (Triton) vs its reference and bf16 F.linear; also the per-token quantization
     kernel's q against the reference (GPU division and FMA may flip near-ties by 1)."""
     from engine.kernels import int8_gemm as i8
+    from engine.kernels import int8_ref
 
     # The interpreter's bf16 is unusable (field notes): float32 activations on the dry run.
     x_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     results = check_quantized(
         scale,
         device,
-        lambda w, layer: i8.quantize_rows_int8(w),
+        lambda w, layer: int8_ref.quantize_rows_int8(w),
         i8.int8_linear,
-        i8.int8_linear_ref,
+        int8_ref.int8_linear_ref,
         x_dtype,
         torch.float32,
     )
     hidden = (QWEN3_0_6B if scale is not DRY else TINY)["hidden_size"]
     x = torch.randn(max(scale.linear_tokens), hidden, device=device).to(x_dtype)
-    (x_q, x_scale), (ref_q, ref_scale) = i8.quantize_per_token_int8(x), i8.quantize_rows_int8(x)
+    (x_q, x_scale), (ref_q, ref_scale) = (
+        i8.quantize_per_token_int8(x),
+        int8_ref.quantize_rows_int8(x),
+    )
     results["quantize"] = dict(
         tokens=x.shape[0],
         q_mismatches=int((x_q != ref_q).sum()),

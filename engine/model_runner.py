@@ -120,7 +120,10 @@ class ModelRunner:
         """Load the model; with `quantization`, from the quantized cache, or calibrate on
         `calibration_token_ids`, quantize and fill the cache."""
         method = quantization.get_linear_method(
-            self.config.quantization, model_kernels(self.attn_backend.name), self.device
+            self.config.quantization,
+            model_kernels(self.attn_backend.name),
+            self.device,
+            self.dtype,
         )
         cached = None
         if self.config.quantization is not None:

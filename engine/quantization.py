@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import envs
-from engine.kernels.cpu_linear import quantize_int8_ref
+from engine.kernels.int8_ref import quantize_rows_int8
 from engine.models.layers import Linear, LinearMethod, ModelKernels
 
 logger = logging.getLogger("kvrail.quantization")
@@ -44,20 +44,26 @@ SMOOTHQUANT_ALPHA = 0.5
 FORMAT_VERSION = 1  # of the cached files; bump when what they hold changes
 
 
-class Int8LinearMethod(LinearMethod):
-    """W8A8 int8 (module docstring). States of a layer: loaded (float32 `weight`), quantized
-    (`weight_q` `[N, K]` int8 and `weight_scale` `[N]` float32 buffers, portable and cached),
-    processed (on the CPU, packed for the kernel)."""
+class QuantizedLinearMethod(LinearMethod):
+    """Weights quantized per output channel from float32, activations per token. States of a
+    layer: loaded (float32 `weight`), quantized (`weight_q` `[N, K]` and `weight_scale` `[N]`
+    float32 buffers: portable, what the cache holds), processed (ready for the kernel)."""
 
-    name = "int8"
     load_dtype = torch.float32
+    weight_dtype: torch.dtype
 
-    def __init__(self, kernels: ModelKernels | None, device: torch.device) -> None:
+    def __init__(
+        self, kernels: ModelKernels | None, device: torch.device, dtype: torch.dtype
+    ) -> None:
         super().__init__(kernels)
         self.device = device
+        self.dtype = dtype  # of the activations
 
-    def quantize(self, layer: Linear) -> None:
-        weight_q, weight_scale = quantize_int8_ref(layer.weight.detach(), dim=1)
+    def quantize_rows(self, weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def quantize(self, layer: Linear, name: str) -> None:
+        weight_q, weight_scale = self.quantize_rows(layer.weight.detach(), name)
         self.prepare_quantized(layer)
         layer.weight_q.copy_(weight_q)
         layer.weight_scale.copy_(weight_scale)
@@ -66,10 +72,36 @@ class Int8LinearMethod(LinearMethod):
         """Swap the float weight for (empty) quantized buffers, to be filled."""
         shape = (layer.out_features, layer.in_features)
         layer.weight = None
-        layer.register_buffer("weight_q", torch.empty(shape, dtype=torch.int8, device=self.device))
+        weight_q = torch.empty(shape, dtype=self.weight_dtype, device=self.device)
+        layer.register_buffer("weight_q", weight_q)
         layer.register_buffer(
             "weight_scale", torch.empty(shape[0], dtype=torch.float32, device=self.device)
         )
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.weight is not None:  # the calibration forward, before quantization
+            y = torch.nn.functional.linear(x.float(), layer.weight, layer.bias).to(x.dtype)
+            return self.activate(layer, y)
+        return self.apply_quantized(layer, x)
+
+    def apply_quantized(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def embed(self, layer: Linear, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of a tied LM head, dequantized (and un-smoothed) in `dtype`."""
+        col_scale = getattr(layer, "embed_col_scale", None)
+        rows = layer.weight_q[input_ids].float() * layer.weight_scale[input_ids, None]
+        return (rows if col_scale is None else rows * col_scale).to(dtype)
+
+
+class Int8LinearMethod(QuantizedLinearMethod):
+    """W8A8 int8 (module docstring); on the CPU the weights are packed for cpu_linear.c."""
+
+    name = "int8"
+    weight_dtype = torch.int8
+
+    def quantize_rows(self, weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_rows_int8(weight)
 
     def process_weights(self, layer: Linear) -> None:
         super().process_weights(layer)
@@ -81,49 +113,75 @@ class Int8LinearMethod(LinearMethod):
             )
             layer.weight_q = None  # the packed copy holds the same bytes
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.weight is not None:  # the calibration forward, before quantization
-            y = torch.nn.functional.linear(x.float(), layer.weight, layer.bias).to(x.dtype)
-            return self.activate(layer, y)
+    def apply_quantized(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
             from engine.kernels.cpu_linear import linear_w8a8
 
             return linear_w8a8(x, layer.packed)
         from engine.kernels.int8_gemm import int8_linear
 
-        y = int8_linear(x, layer.weight_q, layer.weight_scale, layer.bias_f32)
-        return self.activate(layer, y)
+        return self.activate(
+            layer, int8_linear(x, layer.weight_q, layer.weight_scale, layer.bias_f32)
+        )
 
     def embed(self, layer: Linear, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows of a tied LM head, dequantized (and un-smoothed) in `dtype`."""
-        col_scale = getattr(layer, "embed_col_scale", None)
-        if self.device.type == "cpu":
-            from engine.kernels.cpu_ops import embedding_int8
+        if self.device.type != "cpu":
+            return super().embed(layer, input_ids, dtype)
+        from engine.kernels.cpu_ops import embedding_int8
 
-            return embedding_int8(
-                input_ids,
-                layer.packed.packed,
-                layer.packed.scale,
-                col_scale,
-                layer.out_features,
-                layer.in_features,
-                dtype,
-            )
-        rows = layer.weight_q[input_ids].float() * layer.weight_scale[input_ids, None]
-        return (rows if col_scale is None else rows * col_scale).to(dtype)
+        return embedding_int8(
+            input_ids,
+            layer.packed.packed,
+            layer.packed.scale,
+            getattr(layer, "embed_col_scale", None),
+            layer.out_features,
+            layer.in_features,
+            dtype,
+        )
+
+
+class Fp8LinearMethod(QuantizedLinearMethod):
+    """fp8 e4m3 weights and per-token activations through `torch._scaled_mm` (CUDA GPUs with
+    fp8, `engine/kernels/fp8_linear.py`); the bias is added in the activation dtype."""
+
+    name = "fp8"
+    weight_dtype = torch.float8_e4m3fn
+
+    def quantize_rows(self, weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        from engine.kernels.fp8_linear import quantize_weight_fp8
+
+        return quantize_weight_fp8(weight, name)
+
+    def process_weights(self, layer: Linear) -> None:
+        super().process_weights(layer)
+        if layer.bias is not None:
+            layer.bias_act = layer.bias.detach().to(self.dtype)
+
+    def apply_quantized(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        from engine.kernels.fp8_linear import fp8_linear
+
+        bias = layer.bias_act if layer.bias is not None else None
+        return self.activate(layer, fp8_linear(x, layer.weight_q, layer.weight_scale, bias))
 
 
 def get_linear_method(
-    quantization: str | None, kernels: ModelKernels | None, device: torch.device
+    quantization: str | None,
+    kernels: ModelKernels | None,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> LinearMethod:
+    """The method for `EngineConfig.quantization`; raises ValueError, at startup, where it
+    cannot run."""
     if quantization is None:
         return LinearMethod(kernels)
     if quantization == "int8":
-        return Int8LinearMethod(kernels, device)
-    raise ValueError(
-        f"quantization={quantization!r} is not available on {device.type}: "
-        "fp8 weights need a CUDA GPU with fp8 support; use 'int8'"
-    )
+        return Int8LinearMethod(kernels, device, dtype)
+    from engine.kernels.fp8_linear import fp8_supported
+
+    supported, reason = fp8_supported(device, dtype)
+    if not supported:
+        raise ValueError(f"{reason}; on this machine use quantization='int8'")
+    return Fp8LinearMethod(kernels, device, dtype)
 
 
 # SmoothQuant --------------------------------------------------------------------------------
@@ -204,8 +262,9 @@ def quantize_model(model: torch.nn.Module, calibrate: Callable[[], None]) -> Non
         for hook in hooks:
             hook.remove()
     smooth(model, act_amax)
-    for layer in linears:
-        layer.method.quantize(layer)
+    for name, layer in model.named_modules():
+        if isinstance(layer, Linear):
+            layer.method.quantize(layer, name)
     if model.tie_word_embeddings:
         model.model.embed_tokens.weight = None  # was the head's float weight
 

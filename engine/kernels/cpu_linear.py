@@ -13,7 +13,6 @@ import ctypes
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.kernels.cpu_runtime import dtype_code, launch, ptr
 
@@ -210,31 +209,3 @@ def linear_float(
         )
         launch("kvrail_linear_float", args, x, out)
     return out
-
-
-def quantize_int8_ref(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 along `dim`: (q int8, scale = max|x| / 127 float32), x ~= q * scale."""
-    x = x.float()
-    scale = x.abs().amax(dim=dim, keepdim=True) / 127
-    q = torch.where(scale > 0, x / scale, 0.0).round().clamp(-127, 127).to(torch.int8)
-    return q, scale.squeeze(dim)
-
-
-def linear_w8a8_ref(
-    x: torch.Tensor,
-    weight_q: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    silu_mul: bool = False,
-) -> torch.Tensor:
-    """PyTorch reference of `linear_w8a8` from the unpacked weight `[N_w, K]` int8 and its
-    per-row scale: per-token int8 activations, exact integer sums, scales after, in fp32."""
-    x_q, x_scale = quantize_int8_ref(x)
-    sums = x_q.double() @ weight_q.double().T  # exact: |sum| < 2^53
-    y = sums.float() * x_scale[:, None] * scale.float()[None, :]
-    if bias is not None:
-        y = y + bias.float()
-    if silu_mul:
-        gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up
-    return y.to(x.dtype)

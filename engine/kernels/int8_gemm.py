@@ -14,7 +14,8 @@ and no transpose in the kernel.
 
 Rounding: q = round-half-to-even(x * (127 / max|x|)), the reciprocal an IEEE division, then
 clamped to [-127, 127], as the CPU kernel (`cpu_linear.c`, `nearbyintf`) does; an all-zero
-row gets scale 0 and q 0. Triton has no rounding float-to-int cast in the interpreter
+row gets scale 0 and q 0. The PyTorch reference of both is `engine.kernels.int8_ref`.
+Triton has no rounding float-to-int cast in the interpreter
 (`libdevice.rint` is unsupported there), so the kernel rounds with the 1.5 * 2^23 trick: for
 |q| < 2^22, `(q + 1.5 * 2^23) - 1.5 * 2^23` is q rounded half to even by the fp32 adds. It
 is launched with `enable_fp_fusion=False`, so the GPU does not contract the multiply and the
@@ -241,28 +242,3 @@ def int8_linear(
         num_stages=cfg.num_stages,
     )
     return out
-
-
-def quantize_rows_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row in PyTorch: t `[R, C]` -> (q `[R, C]` int8, scale `[R]` float32),
-    t ~= q * scale[:, None]. The weight quantizer (w `[N, K]` -> w_q, w_scale) and the
-    reference of `quantize_per_token_int8`, with the same rounding (see the module doc)."""
-    t = t.float()
-    row_max = t.abs().amax(dim=1)
-    # Tensor / tensor: an IEEE division (`127.0 / t` would be a reciprocal times 127).
-    inv_scale = torch.where(row_max > 0, torch.full_like(row_max, 127.0) / row_max, 0.0)
-    q = (t * inv_scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return q, row_max / torch.full_like(row_max, 127.0)
-
-
-def int8_linear_ref(
-    x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """PyTorch reference of `int8_linear`: exact integer sums (float64, |sum| < 2^53), then
-    the scales and bias in float32 in the kernel's order."""
-    x_q, x_scale = quantize_rows_int8(x)
-    sums = (x_q.double() @ w_q.double().T).float()
-    out = sums * x_scale[:, None] * w_scale[None, :]
-    if bias is not None:
-        out = out + bias[None, :]
-    return out.to(x.dtype)

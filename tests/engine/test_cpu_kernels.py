@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_build, cpu_linear, cpu_ops, cpu_runtime
+from engine.kernels.int8_ref import int8_linear_ref, quantize_rows_int8
 from engine.kernels.kv_cache_write import write_kv_cache_ref
 from engine.kernels.rms_norm import rms_norm_ref
 from engine.kernels.rotary import build_cos_sin_cache, rotary_embedding_ref
@@ -83,19 +84,19 @@ def _int8_inputs(m, n, k, dtype, seed=0):
 def test_w8a8_matches_its_reference(dtype, m, n, k, silu_mul, has_bias):
     x, w, bias = _int8_inputs(m, 2 * n if silu_mul else n, k, dtype)
     bias = bias if has_bias else None
-    w_q, w_scale = cpu_linear.quantize_int8_ref(w, dim=1)
+    w_q, w_scale = quantize_rows_int8(w)
     packed = cpu_linear.pack_int8(w_q, w_scale, bias, silu_mul)
     out = cpu_linear.linear_w8a8(x, packed)
-    expected = cpu_linear.linear_w8a8_ref(x, w_q, w_scale, bias, silu_mul)
+    expected = int8_linear_ref(x, w_q, w_scale, bias, silu_mul)
     assert out.shape == expected.shape == (m, n) and out.dtype == dtype
     # Same integer sums; an activation exactly halfway between two int8 steps may round the
     # other way (the kernel multiplies by 127 / max, the reference divides by max / 127): allow
     # one step on one activation, through SiLU-and-multiply where fused, plus the output
     # dtype's rounding.
-    _, x_scale = cpu_linear.quantize_int8_ref(x)
+    _, x_scale = quantize_rows_int8(x)
     step = x_scale[:, None] * (w_q.abs().amax(dim=1).float() * w_scale)[None, :]
     if silu_mul:
-        pre = cpu_linear.linear_w8a8_ref(x.float(), w_q, w_scale, bias).float()
+        pre = int8_linear_ref(x.float(), w_q, w_scale, bias).float()
         gate, up = pre.chunk(2, dim=-1)
         step_gate, step_up = step.chunk(2, dim=-1)
         step = 1.1 * up.abs() * step_gate + F.silu(gate).abs() * step_up  # |silu'| <= 1.1
@@ -110,7 +111,7 @@ def test_w8a8_is_close_to_the_float_linear(m):
     value; on these Gaussian inputs the measured relative error of the output is 0.87-0.97%
     (rms), so 2% flags a wrong scale or offset (errors of order 100%) without flakiness."""
     x, w, bias = _int8_inputs(m, 48, 200, torch.float32, seed=m)
-    w_q, w_scale = cpu_linear.quantize_int8_ref(w, dim=1)
+    w_q, w_scale = quantize_rows_int8(w)
     out = cpu_linear.linear_w8a8(x, cpu_linear.pack_int8(w_q, w_scale, bias, False))
     expected = F.linear(x, w, bias)
     assert (out - expected).norm() / expected.norm() < 0.02
@@ -131,7 +132,7 @@ def test_float_kernel_matches_torch(dtype, m, n, k, silu_mul, has_bias):
 
 def test_linear_kernels_reject_what_they_cannot_read():
     x = torch.randn(3, 8)
-    w_q, w_scale = cpu_linear.quantize_int8_ref(torch.randn(4, 8), dim=1)
+    w_q, w_scale = quantize_rows_int8(torch.randn(4, 8))
     packed = cpu_linear.pack_int8(w_q, w_scale, None, False)
     with pytest.raises(ValueError, match="contiguous rows"):
         cpu_linear.linear_w8a8(x.t().contiguous().t(), packed)
@@ -204,7 +205,7 @@ def test_embedding(dtype):
     ids = torch.tensor([3, 0, 49, 3])
     assert torch.equal(cpu_ops.embedding(ids, weight, dtype), weight[ids])
     # Rows of an int8 LM head packed in panels, with a column scale (SmoothQuant undone).
-    w_q, w_scale = cpu_linear.quantize_int8_ref(torch.randn(50, 24), dim=1)
+    w_q, w_scale = quantize_rows_int8(torch.randn(50, 24))
     packed = cpu_linear.pack_int8(w_q, w_scale, None, False)
     col_scale = torch.rand(24) + 0.5
     rows = cpu_ops.embedding_int8(ids, packed.packed, packed.scale, col_scale, 50, 24, dtype)
@@ -251,7 +252,7 @@ def test_write_kv_cache_fp8_rounds_and_saturates_like_torch():
 
 def test_graph_replays_what_it_captured_on_new_inputs():
     x = torch.randn(3, 40)
-    w_q, w_scale = cpu_linear.quantize_int8_ref(torch.randn(64, 40), dim=1)
+    w_q, w_scale = quantize_rows_int8(torch.randn(64, 40))
     packed = cpu_linear.pack_int8(w_q, w_scale, None, True)
     norm_weight = torch.randn(40)
     with cpu_runtime.capture() as graph:

@@ -12,13 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.int8_gemm import (
-    Int8GemmConfig,
-    int8_linear,
-    int8_linear_ref,
-    quantize_per_token_int8,
-    quantize_rows_int8,
-)
+from engine.kernels.int8_gemm import Int8GemmConfig, int8_linear, quantize_per_token_int8
+from engine.kernels.int8_ref import int8_linear_ref, quantize_rows_int8
 
 DTYPES = [torch.float32, torch.float16]
 # One ulp of the output dtype: the kernel and the reference do the same fp32 operations.
