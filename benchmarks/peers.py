@@ -18,11 +18,7 @@ from tqdm.auto import tqdm
 
 from benchmarks.common import BenchRequest
 
-LLAMA_CPP_INSTALL = (
-    'CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" '
-    'CXXFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" '
-    'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --no-cache-dir llama-cpp-python'
-)
+LLAMA_CPP_INSTALL = "benchmarks/README.md, 'llama.cpp, the peer'"
 
 
 class HFRunner:
@@ -101,7 +97,14 @@ class HFRunner:
 
 
 def llama_cpp_available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
+    """llama-cpp-python is installed and finds its llama.cpp library (LLAMA_CPP_LIB_PATH)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return False
+    try:
+        import llama_cpp  # noqa: F401
+    except (OSError, RuntimeError, FileNotFoundError):
+        return False
+    return True
 
 
 def run_llama_cpp(gguf_path: Path, requests: Sequence[BenchRequest], n_ctx: int) -> float:

@@ -28,10 +28,11 @@ from benchmarks.common import (
 
 # The first matching substring names an op's part of the step.
 PARTS = (
-    ("linear", ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul", "aten::bmm")),
-    ("attention", ("scaled_dot_product", "flash_attention", "cpu_decode_attention", "_softmax")),
-    ("kv gather / write", ("aten::index_select", "aten::index_copy", "aten::index", "gather")),
-    ("norm / activation", ("rms_norm", "aten::pow", "aten::rsqrt", "aten::mean", "aten::silu")),
+    ("decode graph (all its C kernels)", ("kvrail::cpu_graph",)),
+    ("linear", ("aten::addmm", "aten::mm", "aten::matmul", "kvrail_linear", "quantize_rows")),
+    ("attention", ("scaled_dot_product", "flash_attention", "decode_attention", "_softmax")),
+    ("kv gather / write", ("aten::index_select", "aten::index_copy", "aten::index", "write_kv")),
+    ("norm / activation", ("rms_norm", "aten::pow", "aten::rsqrt", "aten::mean", "silu")),
     ("rotary", ("aten::cos", "aten::sin", "rotary", "aten::neg", "aten::cat")),
     ("sampling", ("aten::topk", "aten::sort", "aten::argmax", "aten::multinomial", "softmax")),
 )
@@ -54,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--input-len", type=parse_range, default=(256, 512), help="LOW:HIGH prompt tokens")
     add("--output-len", type=parse_range, default=(128, 128), help="LOW:HIGH output tokens")
     add("--dtype", default="auto")
+    add("--quantization", default=None, help="e.g. int8")
+    add("--enforce-eager", action="store_true", help="no decode graphs")
     add("--attention-backends", default="torch,cpu", help="comma list, profiled in turn")
     add("--skip-steps", type=int, default=40, help="steps before profiling (prefills)")
     add("--steps", type=int, default=20, help="steps profiled")
@@ -71,6 +74,8 @@ def profile_backend(args: argparse.Namespace, workload: list, backend: str) -> d
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
+        enforce_eager=args.enforce_eager,
         max_num_seqs=args.num_requests,
         attention_backend=backend,
     )
@@ -97,7 +102,9 @@ def profile_backend(args: argparse.Namespace, workload: list, backend: str) -> d
     runner = engine.engine_core.model_runner
     return {
         "backend": runner.attn_backend.name,
-        "dtype": str(runner.dtype).removeprefix("torch."),
+        "dtype": ", ".join(
+            filter(None, (args.quantization, str(runner.dtype).removeprefix("torch.")))
+        ),
         "num_running": num_running,
         "step_ms": step_ms,
         "parts_ms": dict(part_ms),

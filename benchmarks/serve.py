@@ -53,7 +53,14 @@ from benchmarks.common import (
     write_results,
 )
 
-ENGINE_OPTIONS = ("dtype", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes")
+ENGINE_OPTIONS = (
+    "dtype",
+    "quantization",
+    "kv_cache_dtype",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_cache_memory_bytes",
+)
 THROUGHPUT_TARGET = 0.90  # service output tokens/s over offline
 IDLE_TTFT_TARGET_MS = 15.0  # service idle TTFT minus offline
 SERVER_START_TIMEOUT_S = 300.0
@@ -72,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--launch", action="store_true", help="start `kvrail serve` with its own Redis")
     add("--model", default=None, help="for the tokenizer, --launch and the baseline")
     add("--dtype", default=None, help="engine dtype for --launch and the baseline")
+    add("--quantization", default=None, help="engine quantization (int8) for the same")
+    add("--kv-cache-dtype", default=None, help="engine KV cache dtype (fp8) for the same")
     add("--max-num-seqs", type=int, default=None)
     add("--max-num-batched-tokens", type=int, default=None)
     add("--kv-cache-memory-bytes", type=int, default=None, help="KV pool size on CPU")

@@ -213,7 +213,17 @@ def test_parse_range_and_verdict():
 
 
 @pytest.mark.parametrize(
-    "script", ["throughput", "serve", "sweep", "kv_waste", "profile_step", "idle_latency"]
+    "script",
+    [
+        "throughput",
+        "serve",
+        "sweep",
+        "kv_waste",
+        "profile_step",
+        "idle_latency",
+        "latency",
+        "quality",
+    ],
 )
 def test_help_exits_zero(script):
     result = subprocess.run(
@@ -225,3 +235,35 @@ def test_help_exits_zero(script):
     )
     assert result.returncode == 0, result.stderr
     assert "usage" in result.stdout
+
+
+def test_quality_perplexity_is_hf_perplexity(tmp_path):
+    """benchmarks.quality's perplexity (from the engine's prompt_logprobs) against HF's
+    cross-entropy over the same windows, on a tiny model in float32."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.latency import weight_bytes
+    from benchmarks.quality import perplexity
+    from engine import LLM
+    from tests.engine.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=2)
+    windows = [list(range(100, 140)), list(range(700, 717))]
+    llm = LLM(str(model_dir), dtype="float32", block_size=8)
+    ppl, count = perplexity(llm, windows)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    nll = 0.0
+    with torch.inference_mode():
+        for window in windows:
+            logits = hf(torch.tensor([window])).logits[0, :-1]
+            nll += torch.nn.functional.cross_entropy(
+                logits, torch.tensor(window[1:]), reduction="sum"
+            ).item()
+    assert count == sum(len(w) - 1 for w in windows)
+    assert ppl == pytest.approx(math.exp(nll / count), rel=1e-4)
+    # Every parameter once (the tied head shares the embedding's).
+    model = llm.llm_engine.engine_core.model_runner.model
+    assert weight_bytes(model) == sum(p.numel() * 4 for p in model.parameters())

@@ -80,19 +80,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
             out[num_tokens:].zero_()
         attend_groups(q, k, v, k_cache, v_cache, metadata.groups, scale, out)
         if metadata.decode_req_indices.numel():
-            # Named for torch.profiler, which sees no op inside a ctypes call.
-            with torch.profiler.record_function("kvrail::cpu_decode_attention"):
-                cpu_decode_attention.paged_decode_attention(
-                    q,
-                    k_cache,
-                    v_cache,
-                    metadata.block_table,
-                    metadata.query_start_loc,
-                    metadata.seq_lens,
-                    metadata.decode_req_indices,
-                    scale,
-                    out,
-                    k_scale,
-                    v_scale,
-                )
+            cpu_decode_attention.paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                metadata.block_table,
+                metadata.query_start_loc,
+                metadata.seq_lens,
+                metadata.decode_req_indices,
+                scale,
+                out,
+                k_scale,
+                v_scale,
+            )
         return out

@@ -34,9 +34,6 @@
 #define KGROUP 4 /* k per group inside a panel: the 4 bytes one int32 lane of vpdpbusd sums */
 #define MAX_MR 6 /* rows per register tile */
 #define MAX_NT 4 /* panels per register tile */
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 256
-#endif
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
@@ -74,10 +71,8 @@ static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, i
         for (int j = 0; j < nt; j++) sums[i][j] = _mm512_setzero_si512();
     for (int64_t g = 0; g < num_groups; g++) {
         __m512i b[MAX_NT];
-        for (int j = 0; j < nt; j++) {
-            _mm_prefetch((const char *)(w + j * panel_bytes + g * 64 + PREFETCH_BYTES), _MM_HINT_T0);
+        for (int j = 0; j < nt; j++)
             b[j] = _mm512_loadu_si512((const void *)(w + j * panel_bytes + g * 64));
-        }
         for (int i = 0; i < mr; i++) {
             int32_t four;
             memcpy(&four, xq + i * stride_xq + g * KGROUP, sizeof four);
@@ -105,6 +100,42 @@ static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, i
         }
 #endif
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* The full 6 x 4 tile with its 24 accumulators named one by one: as an array, gcc 12 keeps
+ * only part of it in registers and stores and reloads the rest every k group (measured: 21%
+ * of the VNNI peak at M = 256). */
+#define ROW_ZERO(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = c##i##0, c##i##2 = c##i##0, \
+                            c##i##3 = c##i##0;
+#define ROW_FMA(i)                                                                             \
+    {                                                                                          \
+        int32_t four;                                                                          \
+        memcpy(&four, xq + i * stride_xq + g * KGROUP, sizeof four);                           \
+        const __m512i a = _mm512_set1_epi32(four);                                             \
+        c##i##0 = _mm512_dpbusd_epi32(c##i##0, a, b0);                                         \
+        c##i##1 = _mm512_dpbusd_epi32(c##i##1, a, b1);                                         \
+        c##i##2 = _mm512_dpbusd_epi32(c##i##2, a, b2);                                         \
+        c##i##3 = _mm512_dpbusd_epi32(c##i##3, a, b3);                                         \
+    }
+#define ROW_STORE(i)                                                                           \
+    _mm512_storeu_si512((void *)(acc + (i * MAX_NT + 0) * PANEL), c##i##0);                    \
+    _mm512_storeu_si512((void *)(acc + (i * MAX_NT + 1) * PANEL), c##i##1);                    \
+    _mm512_storeu_si512((void *)(acc + (i * MAX_NT + 2) * PANEL), c##i##2);                    \
+    _mm512_storeu_si512((void *)(acc + (i * MAX_NT + 3) * PANEL), c##i##3);
+
+static void w8a8_tile_6x4(const uint8_t *xq, int64_t stride_xq, const int8_t *w,
+                          int64_t panel_bytes, int64_t num_groups, int32_t *acc) {
+    ROW_ZERO(0) ROW_ZERO(1) ROW_ZERO(2) ROW_ZERO(3) ROW_ZERO(4) ROW_ZERO(5)
+    for (int64_t g = 0; g < num_groups; g++) {
+        const __m512i b0 = _mm512_loadu_si512((const void *)(w + g * 64));
+        const __m512i b1 = _mm512_loadu_si512((const void *)(w + panel_bytes + g * 64));
+        const __m512i b2 = _mm512_loadu_si512((const void *)(w + 2 * panel_bytes + g * 64));
+        const __m512i b3 = _mm512_loadu_si512((const void *)(w + 3 * panel_bytes + g * 64));
+        ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)
+    }
+    ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)
+}
+#endif
 
 /* Store n values of a row (vectorizes: no dtype branch inside the loop). */
 static inline void store_row(void *out, int dtype, int64_t offset, const float *y, int n) {
@@ -156,7 +187,12 @@ static inline __attribute__((always_inline)) void w8a8_block(
     const int32_t *w_comp, const float *bias, int silu_mul, void *out, int out_dtype,
     int64_t stride_out) {
     int32_t acc[MAX_MR * MAX_NT * PANEL] __attribute__((aligned(64)));
-    w8a8_tile(xq, stride_xq, w, panel_bytes, num_groups, mr, nt, acc);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (mr == 6 && nt == 4)
+        w8a8_tile_6x4(xq, stride_xq, w, panel_bytes, num_groups, acc);
+    else
+#endif
+        w8a8_tile(xq, stride_xq, w, panel_bytes, num_groups, mr, nt, acc);
     w8a8_epilogue(acc, mr, nt, panel, N, x_scale, w_scale, w_comp, bias, silu_mul, out, out_dtype,
                   stride_out);
 }

@@ -69,7 +69,8 @@ class CpuGraph:
             self._array = (_Node * len(self.nodes))(
                 *(_Node(fn, ctypes.addressof(args), serial) for fn, args, serial in self.nodes)
             )
-        library().kvrail_replay(self._array, len(self.nodes), torch.get_num_threads())
+        with _profiled("kvrail::cpu_graph"):
+            library().kvrail_replay(self._array, len(self.nodes), torch.get_num_threads())
 
 
 # Ops that only allocate or make views: everything a captured forward may do besides launching.
@@ -135,7 +136,15 @@ def launch(name: str, args: ctypes.Structure, *tensors: Any, work: int | None = 
     graph = getattr(_state, "graph", None)
     if graph is not None:
         graph.record(fn, args, serial, tensors)
-    library().kvrail_run(fn, ctypes.byref(args), 1 if serial else torch.get_num_threads())
+    with _profiled(name):
+        library().kvrail_run(fn, ctypes.byref(args), 1 if serial else torch.get_num_threads())
+
+
+def _profiled(name: str) -> contextlib.AbstractContextManager:
+    """A label for torch.profiler, which sees no op inside a ctypes call; free without it."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def ptr(tensor: torch.Tensor | None) -> int | None:

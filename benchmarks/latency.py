@@ -1,0 +1,343 @@
+"""Single-stream latency: one user, one request, greedy decode, side by side in one run.
+
+What a single user sees: the time to the first token of a `--prompt-len` prompt (prefill)
+and the decode rate over `--output-len` tokens (EOS ignored). Systems, measured in turns
+for `--rounds` rounds so that the machine's slow spells fall on all of them alike:
+
+- `kvrail`: the engine in its default dtype (`LLM()`), and `kvrail-int8`
+  (`LLM(quantization="int8")`), through `LLMEngine.add_request` / `step`;
+- `hf`: HF transformers `generate`, at its faster of float32 and bfloat16 here; decode rate
+  from the difference of a 1-token and an N-token generate;
+- `llama.cpp`: a native build's `llama-bench -p P -n N` on the same GGUF (`--llama-bench`,
+  default: `llama-bench` on PATH; see benchmarks/README.md for the build);
+- `baseline`: kvrail at git ref `--baseline-ref` (a worktree of it, run in a child process
+  over the same prompt): the before of a before/after.
+
+Also reported: the bytes of every weight of the default and the int8 model.
+
+    python -m benchmarks.latency --rounds 3 --baseline-ref 78ef656
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("kvrail", "kvrail-int8", "hf", "llama.cpp", "baseline")
+# Targets (issue 10): decode rate of the first system over the second's.
+TARGETS = {
+    ("kvrail-int8", "llama.cpp"): 1.0,
+    ("kvrail-int8", "hf"): 4.0,
+    ("kvrail", "baseline"): 2.0,
+}
+WEIGHT_BYTES_TARGET = 0.55  # int8 weights over the default dtype's, at most
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--model", default=None, help="a .gguf (default: SmolLM2-135M-Instruct's)")
+    add("--prompt-len", type=int, default=128)
+    add("--output-len", type=int, default=128)
+    add("--rounds", type=int, default=3)
+    add("--systems", default=",".join(SYSTEMS), help=f"comma list of {SYSTEMS}")
+    add("--baseline-ref", default=None, help="git ref of the `baseline` system")
+    add("--llama-bench", default=shutil.which("llama-bench"), help="llama-bench executable")
+    add("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads")
+    add("--seed", type=int, default=0)
+    add("--name", default="latency", help="results/<name>.json and .md")
+    add("--child", action="store_true", help=argparse.SUPPRESS)  # the baseline's process
+    args = parser.parse_args(argv)
+    args.systems = args.systems.split(",")
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# kvrail: in this process, or (the baseline) in a child on another checkout. Only `engine`'s
+# public API and the standard library are used here, so the child runs old code too.
+# --------------------------------------------------------------------------------------------
+
+
+def time_kvrail(engine: Any, prompt: list[int], output_len: int) -> dict[str, float]:
+    """One request alone: seconds to its first token, and decode tokens/s after it."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    request_id = f"latency-{time.monotonic_ns()}"
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, params)
+    num_tokens, first = 0, None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            num_tokens += len(output.outputs[0].token_ids)
+            if first is None and num_tokens:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    if num_tokens != output_len:
+        raise RuntimeError(f"kvrail produced {num_tokens} tokens, expected {output_len}")
+    return {"ttft_s": first - start, "decode_tok_s": (output_len - 1) / (end - first)}
+
+
+def child_main() -> int:
+    """The baseline: load the engine, then time one request per line of stdin (JSON)."""
+    from engine import LLM
+
+    engine = LLM().llm_engine
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        print(json.dumps(time_kvrail(engine, job["prompt"], job["output_len"])), flush=True)
+    return 0
+
+
+class Baseline:
+    """kvrail at another git ref: a detached worktree and a child process timing on demand."""
+
+    def __init__(self, ref: str) -> None:
+        root = Path(__file__).resolve().parent.parent
+        self.worktree = Path(tempfile.mkdtemp(prefix="kvrail-baseline-"))
+        subprocess.run(
+            ["git", "-C", str(root), "worktree", "add", "--detach", str(self.worktree), ref],
+            check=True,
+            capture_output=True,
+        )
+        env = {**os.environ, "PYTHONPATH": str(self.worktree)}
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--child"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=self.worktree,
+        )
+        self._read()  # loaded
+
+    def _read(self) -> dict[str, Any]:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError("the baseline process died (see its stderr above)")
+        return json.loads(line)
+
+    def time(self, prompt: list[int], output_len: int) -> dict[str, float]:
+        self.process.stdin.write(json.dumps({"prompt": prompt, "output_len": output_len}) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        root = Path(__file__).resolve().parent.parent
+        subprocess.run(
+            ["git", "-C", str(root), "worktree", "remove", "--force", str(self.worktree)],
+            check=False,
+            capture_output=True,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Peers
+# --------------------------------------------------------------------------------------------
+
+
+def time_hf(hf: Any, dtype: str, request: Any, output_len: int) -> dict[str, float]:
+    from benchmarks.common import BenchRequest
+
+    one = BenchRequest(request.request_id, request.prompt_token_ids, 1)
+    first = hf.run_serial(dtype, [one])
+    full = hf.run_serial(
+        dtype, [BenchRequest(request.request_id, one.prompt_token_ids, output_len)]
+    )
+    return {"ttft_s": first, "decode_tok_s": (output_len - 1) / (full - first)}
+
+
+def time_llama_bench(args: argparse.Namespace, gguf: Path) -> dict[str, float]:
+    """llama-bench's own prompt (pp) and generation (tg) rates, one repetition."""
+    command = [
+        args.llama_bench, "-m", str(gguf), "-p", str(args.prompt_len), "-n",
+        str(args.output_len), "-t", str(args.threads), "-r", "1", "-o", "json",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    tests = json.loads(result.stdout)
+    pp = next(t for t in tests if t["n_prompt"] > 0 and t["n_gen"] == 0)
+    tg = next(t for t in tests if t["n_gen"] > 0 and t["n_prompt"] == 0)
+    return {"ttft_s": args.prompt_len / pp["avg_ts"], "decode_tok_s": tg["avg_ts"]}
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of every weight the model holds: parameters, quantized buffers, packed copies."""
+    import torch
+
+    seen: set[int] = set()
+    total = 0
+
+    def add(tensor: torch.Tensor | None) -> None:
+        nonlocal total
+        if tensor is not None and tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+
+    for module in model.modules():
+        for tensor in module.parameters(recurse=False):
+            add(tensor)
+        for name, tensor in module.named_buffers(recurse=False):
+            if name in module._non_persistent_buffers_set:
+                continue  # rotary tables: derived, not weights
+            add(tensor)
+        packed = getattr(module, "packed", None)
+        if packed is not None:
+            for tensor in (packed.packed, packed.scale, packed.comp, packed.bias):
+                add(tensor)
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def report(args: argparse.Namespace, runs: dict[str, list[dict]], info: dict[str, Any]) -> str:
+    from benchmarks.common import fmt, markdown_table, verdict
+
+    medians = {
+        name: {k: statistics.median(r[k] for r in rounds) for k in ("ttft_s", "decode_tok_s")}
+        for name, rounds in runs.items()
+    }
+    rows = [
+        [
+            name,
+            info["dtypes"].get(name, "-"),
+            fmt(m["decode_tok_s"]),
+            fmt(1e3 / m["decode_tok_s"], 2),
+            fmt(m["ttft_s"] * 1e3),
+            ", ".join(fmt(r["decode_tok_s"]) for r in runs[name]),
+        ]
+        for name, m in medians.items()
+    ]
+    lines = [
+        "# Single-stream latency",
+        "",
+        f"One request of {args.prompt_len} prompt tokens (real English) and {args.output_len}"
+        f" output tokens, greedy, EOS ignored; {args.rounds} rounds, systems in turn within each"
+        " round; medians. llama.cpp: llama-bench's pp and tg rates on the Q4_1 GGUF.",
+        "",
+        markdown_table(
+            ["system", "weights", "decode tok/s", "ms / token", "TTFT ms", "decode tok/s by round"],
+            rows,
+        ),
+        "",
+    ]
+    ratio_rows = []
+    for (a, b), target in TARGETS.items():
+        if a in medians and b in medians:
+            ratio = medians[a]["decode_tok_s"] / medians[b]["decode_tok_s"]
+            ratio_rows.append(
+                [f"{a} / {b}", f"{ratio:.2f}x", f">= {target:g}x", verdict(ratio, target)]
+            )
+    if "weight_bytes" in info:
+        wb = info["weight_bytes"]
+        share = wb["kvrail-int8"] / wb["kvrail"]
+        ratio_rows.append(
+            [
+                f"weight bytes int8 / {info['dtypes']['kvrail']}",
+                f"{share:.3f} ({wb['kvrail-int8'] / 2**20:.0f} / {wb['kvrail'] / 2**20:.0f} MiB)",
+                f"<= {WEIGHT_BYTES_TARGET}",
+                verdict(share, WEIGHT_BYTES_TARGET, higher_is_better=False),
+            ]
+        )
+    if ratio_rows:
+        lines += [
+            markdown_table(["ratio (decode tok/s)", "measured", "target", "verdict"], ratio_rows)
+        ]
+    lines += [""] + [f"- {note}" for note in info["notes"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child_main()
+    import torch
+
+    from benchmarks.common import corpus_token_ids, make_workload, write_results
+    from benchmarks.peers import HFRunner
+    from engine import LLM
+    from engine.loader import _default_gguf, load_tokenizer, resolve_model
+
+    model_dir = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    (request,) = make_workload(
+        corpus_token_ids(tokenizer), 1, (args.prompt_len,) * 2, (args.output_len,) * 2, args.seed
+    )
+    prompt = request.prompt_token_ids
+    notes: list[str] = [
+        f"{torch.get_num_threads()} torch threads, {args.threads} llama.cpp threads."
+    ]
+    timers: dict[str, Any] = {}
+    info: dict[str, Any] = {"dtypes": {}, "notes": notes}
+    engines = {}
+    for name, kwargs in (("kvrail", {}), ("kvrail-int8", {"quantization": "int8"})):
+        if name in args.systems:
+            engine = LLM(args.model, **kwargs).llm_engine
+            engines[name] = engine
+            runner = engine.engine_core.model_runner
+            info["dtypes"][name] = kwargs.get("quantization") or str(runner.dtype).removeprefix(
+                "torch."
+            )
+            timers[name] = lambda e=engine: time_kvrail(e, prompt, args.output_len)
+    if set(engines) == {"kvrail", "kvrail-int8"}:
+        info["weight_bytes"] = {
+            name: weight_bytes(e.engine_core.model_runner.model) for name, e in engines.items()
+        }
+    if "hf" in args.systems:
+        hf = HFRunner(model_dir, tokenizer.pad_token_id or 0)
+        probe = [request.__class__(request.request_id, prompt, 8)]
+        dtype = hf.choose_dtype(("float32", "bfloat16"), probe, None)
+        info["dtypes"]["hf"] = dtype
+        timers["hf"] = lambda: time_hf(hf, dtype, request, args.output_len)
+    if "llama.cpp" in args.systems:
+        gguf = Path(args.model) if args.model else _default_gguf()
+        if not args.llama_bench or not Path(args.llama_bench).exists():
+            notes.append("llama.cpp skipped: no llama-bench (--llama-bench; benchmarks/README.md)")
+        elif gguf.suffix != ".gguf":
+            notes.append("llama.cpp skipped: it needs a .gguf model")
+        else:
+            info["dtypes"]["llama.cpp"] = "gguf (Q4_1)"
+            timers["llama.cpp"] = lambda: time_llama_bench(args, gguf)
+    baseline = None
+    if "baseline" in args.systems:
+        if args.baseline_ref is None:
+            notes.append("baseline skipped: no --baseline-ref")
+        else:
+            baseline = Baseline(args.baseline_ref)
+            info["dtypes"]["baseline"] = f"kvrail {args.baseline_ref}"
+            timers["baseline"] = lambda: baseline.time(prompt, args.output_len)
+    try:
+        for timer in timers.values():
+            timer()  # warm-up: first steps compile, allocate, capture
+        runs: dict[str, list[dict]] = {name: [] for name in timers}
+        for _ in range(args.rounds):
+            for name, timer in timers.items():
+                runs[name].append(timer())
+                print(f"{name}: {runs[name][-1]['decode_tok_s']:.1f} tok/s", flush=True)
+    finally:
+        if baseline is not None:
+            baseline.close()
+    markdown = report(args, runs, info)
+    write_results(args.name, {"args": vars(args), "runs": runs, "info": info}, markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
