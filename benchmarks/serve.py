@@ -11,8 +11,13 @@ runs the same workload at the same arrivals and concurrency through an offline `
 in this process right after each service load (the server idles meanwhile), and probes
 idle TTFT on both sides, so the service's overhead shows as ratios from one run.
 `--rounds N` repeats the pair with N seeds; the verdict takes the median round's ratio.
+`--peer-url` names another OpenAI-compatible server (llama.cpp's `llama-server`, say): each
+round sends it the same workload at the same arrivals right after kvrail's, for the ratio
+of output tokens/s and kvrail's TTFT p99 against the peer's median.
 
     python -m benchmarks.serve --launch --backend http --request-rate 4 --offline-baseline
+    python -m benchmarks.serve --launch --backend http --quantization int8 --request-rate inf \
+        --max-concurrency 32 --peer-url http://127.0.0.1:8080
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ ENGINE_OPTIONS = (
 )
 THROUGHPUT_TARGET = 0.90  # service output tokens/s over offline
 IDLE_TTFT_TARGET_MS = 15.0  # service idle TTFT minus offline
+PEER_THROUGHPUT_TARGET = 3.0  # kvrail output tokens/s over the peer's
 SERVER_START_TIMEOUT_S = 300.0
 
 Sender = Callable[[BenchRequest], Awaitable[RequestTiming]]
@@ -92,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     add("--max-concurrency", type=int, default=None)
     add("--offline-baseline", action="store_true", help="also run the offline engine")
+    add("--peer-url", default=None, help="another OpenAI-compatible server, run after kvrail")
     add("--idle-probes", type=int, default=5, help="one-at-a-time requests for idle TTFT")
     add("--rounds", type=int, default=1, help="loads, each with its own seed (+ baseline)")
     add("--name", default=None, help="results/<name>.json and .md (default serve-<backend>)")
@@ -261,17 +268,25 @@ async def measure(
     workloads: list[list[BenchRequest]],
     probes: list[BenchRequest],
     engine: Any | None,
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
+) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
     """Idle probes, then one load per round through the service and, when `engine` (the
-    offline baseline) is given, the same load through it right after, while the server idles:
-    a shared machine's slow spells then fall on both sides of a round alike."""
-    async with sender(args, base_url, redis_url) as send:
+    offline baseline) or `--peer-url` is given, the same load through them right after,
+    while the server idles: a shared machine's slow spells then fall on every side of a
+    round alike."""
+    async with contextlib.AsyncExitStack() as stack:
+        send = await stack.enter_async_context(sender(args, base_url, redis_url))
+        peer_send = None
+        if args.peer_url:
+            peer_args = argparse.Namespace(**{**vars(args), "backend": "http"})
+            peer_send = await stack.enter_async_context(sender(peer_args, args.peer_url, None))
         idle = await run_probes(send, probes)
-        offline_idle = None
+        offline_idle = peer_idle = None
         if engine is not None:
             warm_up(engine)
             offline_idle = [run_timed_offline(engine, [p], [0.0])[0][0] for p in probes][1:]
-        service_runs, offline_runs = [], []
+        if peer_send is not None:
+            peer_idle = await run_probes(peer_send, probes)
+        service_runs, offline_runs, peer_runs = [], [], []
         for i, workload in enumerate(workloads):
             offsets = arrival_offsets(
                 len(workload), args.request_rate, args.burstiness, args.seed + i
@@ -282,10 +297,16 @@ async def measure(
                     offline_runs.append(
                         run_timed_offline(engine, workload, offsets, args.max_concurrency, bar)
                     )
+            if peer_send is not None:
+                peer_runs.append(await run_load(peer_send, workload, offsets, args.max_concurrency))
     service = summarize_rounds(idle, service_runs)
     service["errors"] = sorted({t.error for ts, _ in service_runs for t in ts if t.error})[:5]
     offline = summarize_rounds(offline_idle, offline_runs) if engine is not None else None
-    return service, offline
+    peer = None
+    if peer_send is not None:
+        peer = summarize_rounds(peer_idle, peer_runs)
+        peer["errors"] = sorted({t.error for ts, _ in peer_runs for t in ts if t.error})[:5]
+    return service, offline, peer
 
 
 def summarize_rounds(
@@ -300,11 +321,11 @@ def summarize_rounds(
     }
 
 
-def round_ratios(service: dict[str, Any], offline: dict[str, Any]) -> list[float]:
-    """Each round's service/offline output throughput."""
+def round_ratios(service: dict[str, Any], other: dict[str, Any]) -> list[float]:
+    """Each round's output throughput of the service over the other side's."""
     return [
         s["output_throughput"] / o["output_throughput"]
-        for s, o in zip(service["rounds"], offline["rounds"], strict=True)
+        for s, o in zip(service["rounds"], other["rounds"], strict=True)
     ]
 
 
@@ -333,8 +354,36 @@ def comparison_rows(service: dict[str, Any], offline: dict[str, Any]) -> list[li
     ]
 
 
+def peer_rows(service: dict[str, Any], peer: dict[str, Any]) -> list[list[str]]:
+    """kvrail against the peer server: the median round's output throughput ratio, and
+    kvrail's TTFT p99 against the peer's median (pooled over rounds)."""
+    ratio = statistics.median(round_ratios(service, peer))
+    p99, peer_median = service["load"]["ttft"]["p99_ms"], peer["load"]["ttft"]["median_ms"]
+    return [
+        [
+            "output tok/s",
+            fmt(service["load"]["output_throughput"]),
+            fmt(peer["load"]["output_throughput"]),
+            f"{ratio:.2f}x",
+            f">= {PEER_THROUGHPUT_TARGET:g}x",
+            verdict(ratio, PEER_THROUGHPUT_TARGET),
+        ],
+        [
+            "kvrail TTFT p99 vs peer TTFT median (ms)",
+            fmt(p99),
+            fmt(peer_median),
+            f"{p99 / peer_median:.2f}x",
+            "< 1x",
+            verdict(p99, peer_median, higher_is_better=False),
+        ],
+    ]
+
+
 def report(
-    args: argparse.Namespace, service: dict[str, Any], offline: dict[str, Any] | None
+    args: argparse.Namespace,
+    service: dict[str, Any],
+    offline: dict[str, Any] | None,
+    peer: dict[str, Any] | None,
 ) -> str:
     load = service["load"]
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}/s"
@@ -379,6 +428,25 @@ def report(
                 ["offline latency", "mean", "median", "p99"], latency_rows(offline["load"])
             ),
         ]
+    if peer is not None:
+        load = peer["load"]
+        lines += [
+            "",
+            f"## Against the peer at {args.peer_url} (same workload, arrivals and concurrency)",
+            "",
+            markdown_table(
+                ["", "kvrail", "peer", "kvrail vs peer", "target", "verdict"],
+                peer_rows(service, peer),
+            ),
+            "",
+            "Output tok/s kvrail/peer per round: "
+            + ", ".join(f"{r:.2f}x" for r in round_ratios(service, peer))
+            + f"; peer completed / failed: {load['completed']} / {load['failed']}.",
+            "",
+            markdown_table(["peer latency", "mean", "median", "p99"], latency_rows(load)),
+        ]
+        if peer["errors"]:
+            lines += ["", "Peer errors: " + "; ".join(peer["errors"])]
     return "\n".join(lines)
 
 
@@ -400,15 +468,15 @@ def main(argv: list[str] | None = None) -> int:
         engine = LLMEngine.from_kwargs(model=args.model, **engine_options(args))
     if args.launch:
         with launched_server(args) as (base_url, redis_url):
-            service, offline = asyncio.run(
+            service, offline, peer = asyncio.run(
                 measure(args, base_url, redis_url, workloads, probes, engine)
             )
     else:
-        service, offline = asyncio.run(
+        service, offline, peer = asyncio.run(
             measure(args, args.base_url, args.redis_url, workloads, probes, engine)
         )
-    payload = {"args": vars(args), "service": service, "offline": offline}
-    write_results(args.name, payload, report(args, service, offline))
+    payload = {"args": vars(args), "service": service, "offline": offline, "peer": peer}
+    write_results(args.name, payload, report(args, service, offline, peer))
     return 0
 
 
