@@ -223,6 +223,7 @@ def test_parse_range_and_verdict():
         "idle_latency",
         "latency",
         "quality",
+        "compile_layer",
     ],
 )
 def test_help_exits_zero(script):
