@@ -15,9 +15,18 @@ logger = logging.getLogger("kvrail.engine")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_dir: Path, eos_token_id: int | None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        eos_token_id: int | None,
+        kv_calibration_token_ids: list[int] | None = None,
+    ) -> None:
+        """`kv_calibration_token_ids`: see `ModelRunner` (needed with an fp8 KV cache)."""
         self.config = config
-        self.model_runner = ModelRunner(config, model_dir, config.max_model_len, eos_token_id)
+        self.model_runner = ModelRunner(
+            config, model_dir, config.max_model_len, eos_token_id, kv_calibration_token_ids
+        )
         num_blocks = config.num_kv_blocks or self.model_runner.determine_num_kv_blocks()
         max_model_len = self.model_runner.max_model_len
         if config.max_model_len is None and max_model_len > num_blocks * config.block_size:

@@ -8,6 +8,7 @@ outputs into text with incremental detokenization and stop strings.
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 import time
 from collections.abc import Sequence
@@ -27,6 +28,20 @@ from engine.scheduler import SchedulerStats
 logger = logging.getLogger("kvrail.engine")
 
 PromptType = str | list[int] | dict[str, Any]
+
+# The fp8 KV cache's calibration input: English prose that ships with Python, the same on
+# every machine with the same Python (pydoc_data.topics is kept apart for evaluation).
+KV_CALIBRATION_MODULES = ("json", "argparse", "collections", "typing", "functools", "itertools")
+KV_CALIBRATION_NUM_TOKENS = 512
+
+
+def kv_calibration_token_ids(tokenizer: Any) -> list[int]:
+    """The first 512 tokens of those modules' docstrings, joined with blank lines."""
+    docs = [importlib.import_module(name).__doc__ for name in KV_CALIBRATION_MODULES]
+    if None in docs:
+        raise RuntimeError("the fp8 KV cache calibrates on docstrings: not under python -OO")
+    token_ids = tokenizer.encode("\n\n".join(docs), add_special_tokens=True)
+    return token_ids[:KV_CALIBRATION_NUM_TOKENS]
 
 
 @dataclass
@@ -65,7 +80,10 @@ class LLMEngine:
         self.config = config
         model_dir = resolve_model(config.model)
         self.tokenizer = load_tokenizer(model_dir)
-        self.engine_core = EngineCore(config, model_dir, self.tokenizer.eos_token_id)
+        calibration = None
+        if config.kv_cache_dtype != "auto":
+            calibration = kv_calibration_token_ids(self.tokenizer)
+        self.engine_core = EngineCore(config, model_dir, self.tokenizer.eos_token_id, calibration)
         self.max_model_len = self.engine_core.max_model_len
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, str] = {}

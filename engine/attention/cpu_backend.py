@@ -5,7 +5,8 @@ the context: the torch backend gathers each context into a padded copy per layer
 reads it again. Here all decode requests of the step go to one call of the paged C kernel
 (`engine.kernels.cpu_decode_attention`), which reads each block once, in place, with no
 padding and no bucketing; prefill and chunked-prefill requests keep the torch path (SDPA is
-efficient there: many queries share each gathered key).
+efficient there: many queries share each gathered key). With an fp8 cache the kernel
+decodes the e4m3 bytes itself; q and the output stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import CommonAttentionMetadata
+from engine.attention import FP8_DTYPE, CommonAttentionMetadata
 from engine.attention.torch_backend import (
     TorchAttentionBackend,
     TorchAttentionMetadata,
@@ -68,15 +69,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
         v_cache: torch.Tensor,
         metadata: CpuAttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, metadata)
-        out = torch.zeros(q.shape, dtype=k_cache.dtype)
-        attend_groups(q, k, v, k_cache, v_cache, metadata.groups, scale, out)
+        k, v = write_kv(k, v, k_cache, v_cache, metadata, k_scale, v_scale)
+        dtype = q.dtype if k_cache.dtype == FP8_DTYPE else k_cache.dtype
+        out = torch.zeros(q.shape, dtype=dtype)
+        attend_groups(q, k, v, k_cache, v_cache, metadata.groups, scale, out, k_scale, v_scale)
         if metadata.decode_req_indices.numel():
             # Named for torch.profiler, which sees no op inside a ctypes call.
             with torch.profiler.record_function("kvrail::cpu_decode_attention"):
                 cpu_decode_attention.paged_decode_attention(
-                    q.to(k_cache.dtype).contiguous(),
+                    q.to(dtype).contiguous(),
                     k_cache,
                     v_cache,
                     metadata.block_table,
@@ -86,5 +90,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
                     metadata.max_decode_seq_len,
                     scale,
                     out,
+                    k_scale,
+                    v_scale,
                 )
         return out.to(q.dtype)

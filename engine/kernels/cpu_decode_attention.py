@@ -33,11 +33,14 @@ SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
 # crtfastmath.o, which turns on flush-to-zero for the whole process when the library loads.
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 LDFLAGS = ("-shared", "-fopenmp")
+# (q and out dtype, cache dtype) -> entry point.
 _FUNCTIONS = {
-    torch.float32: "paged_decode_attention_f32",
-    torch.bfloat16: "paged_decode_attention_bf16",
+    (torch.float32, torch.float32): "paged_decode_attention_f32",
+    (torch.bfloat16, torch.bfloat16): "paged_decode_attention_bf16",
+    (torch.float32, torch.float8_e4m3fn): "paged_decode_attention_f32_fp8",
+    (torch.bfloat16, torch.float8_e4m3fn): "paged_decode_attention_bf16_fp8",
 }
-SUPPORTED_DTYPES = tuple(_FUNCTIONS)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)  # model dtypes; the cache may also be fp8
 
 
 def compiler() -> str | None:
@@ -82,7 +85,7 @@ def _library() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 5 + [ctypes.c_int64]
-        fn.argtypes += [ctypes.c_int, ctypes.c_float, ctypes.c_int]
+        fn.argtypes += [ctypes.c_int, ctypes.c_float, ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -102,14 +105,17 @@ def paged_decode_attention(
     max_seq_len: int,
     scale: float,
     out: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attend each request `req_indices[i]`'s single query token to its paged context.
 
     Same contract as the Triton `decode_attention`: q, out `[T, num_heads, head_dim]`
-    (contiguous, the cache's dtype); k_cache, v_cache `[num_blocks, block_size,
-    num_kv_heads, head_dim]`; block_table `[R, max_blocks]`, query_start_loc `[R + 1]`,
-    seq_lens `[R]` and req_indices `[n]`, all int32; `max_seq_len` >= every selected seq_len.
-    Writes row `query_start_loc[req]` of `out` for each selected request, nothing else.
+    (contiguous, fp32 or bf16); k_cache, v_cache `[num_blocks, block_size, num_kv_heads,
+    head_dim]` in q's dtype, or fp8 e4m3 read as stored * `k_scale` (`v_scale`);
+    block_table `[R, max_blocks]`, query_start_loc `[R + 1]`, seq_lens `[R]` and req_indices
+    `[n]`, all int32; `max_seq_len` >= every selected seq_len. Writes row
+    `query_start_loc[req]` of `out` for each selected request, nothing else.
     """
     lib = _library()
     num_heads, head_dim = q.shape[1:]
@@ -117,12 +123,19 @@ def paged_decode_attention(
     for t in (q, out, k_cache, v_cache, block_table, query_start_loc, seq_lens, req_indices):
         if not t.is_contiguous() or t.device.type != "cpu":
             raise ValueError("paged_decode_attention takes contiguous CPU tensors")
-    if not q.dtype == out.dtype == k_cache.dtype == v_cache.dtype in _FUNCTIONS:
-        raise ValueError(f"q, out and the caches must share one dtype of {SUPPORTED_DTYPES}")
+    function = _FUNCTIONS.get((q.dtype, k_cache.dtype))
+    if function is None or not q.dtype == out.dtype or not k_cache.dtype == v_cache.dtype:
+        raise ValueError(
+            f"q and out must share one dtype of {SUPPORTED_DTYPES}, and the caches that dtype "
+            f"or torch.float8_e4m3fn; got q {q.dtype}, out {out.dtype}, caches {k_cache.dtype} "
+            f"and {v_cache.dtype}"
+        )
     for t in (block_table, query_start_loc, seq_lens, req_indices):
         if t.dtype != torch.int32:
             raise ValueError("block_table, query_start_loc, seq_lens and req_indices are int32")
-    getattr(lib, _FUNCTIONS[q.dtype])(
+    # k_scale folds into the query scaling (exact up to fp32 rounding), v_scale into the
+    # output's normalization.
+    getattr(lib, function)(
         out.data_ptr(),
         q.data_ptr(),
         k_cache.data_ptr(),
@@ -138,6 +151,7 @@ def paged_decode_attention(
         block_size,
         block_table.stride(0),
         max_seq_len,
-        scale,
+        scale * k_scale,
+        v_scale,
         torch.get_num_threads(),
     )
