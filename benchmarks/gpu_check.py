@@ -1,4 +1,5 @@
-"""GPU check: kernels vs references, int8 / fp8 linears vs bf16, engine-vs-HF parity, throughput.
+"""GPU check: kernels vs references, int8 / fp8 linears vs bf16, engine-vs-HF parity,
+throughput, fp8 KV.
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py [--quick] [--dry-run]
 
@@ -460,6 +461,140 @@ def check_parity(scale: Scale, device: torch.device, workdir: Path) -> dict:
     return dict(prompts=len(prompts), identical=identical, passed=identical == len(prompts))
 
 
+def check_fp8_kv(scale: Scale, device: torch.device, workdir: Path) -> dict:
+    """kv_cache_dtype="fp8" (what TRITON_INTERPRET cannot check: its fp8 rounding is wrong):
+    the write kernel's bytes against torch's conversion on random values, exact ties and
+    out-of-range values; decode and prefill over an fp8 cache against their references (on
+    the cache as stored, and on the bf16 cache it was quantized from); decode time against
+    the bf16 cache; the engine's greedy tokens with fp8 against auto."""
+    from engine import LLM, SamplingParams
+    from engine.attention import FP8_DTYPE, FP8_MAX, quantize_kv
+    from engine.kernels import decode_attention as da
+    from engine.kernels import kv_cache_write as kw
+    from engine.kernels import prefill_attention as pa
+
+    model = scale.model if scale is not DRY else TINY
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    heads, kv_heads, head_dim = (
+        model[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim")
+    )
+    block_size, gen = 16, torch.Generator(device=device).manual_seed(1)
+    results: dict = {}
+
+    # Write: half random (some beyond 448 after scaling), half exact midpoints of the grid.
+    rows = scale.rows
+    codes = torch.arange(256, dtype=torch.uint8)
+    grid = codes[(codes & 0x7F) != 0x7F].view(FP8_DTYPE).float().unique()
+    midpoints = ((grid[1:] + grid[:-1]) / 2).to(device)
+    x = 300 * torch.randn(2 * rows * kv_heads * head_dim, generator=gen, device=device)
+    x[: len(midpoints)] = midpoints
+    x = x[torch.randperm(len(x), generator=gen, device=device)].view(2, rows, kv_heads, head_dim)
+    num_blocks = -(-rows // block_size) + 1
+    k_cache = torch.zeros(
+        num_blocks, block_size, kv_heads, head_dim, dtype=FP8_DTYPE, device=device
+    )
+    v_cache = torch.zeros_like(k_cache)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(num_blocks * block_size, device=device, generator=gen)[:rows]
+    k, v = (x[0] * 0.5).to(dtype), (x[1] * 2.0).to(dtype)  # power-of-two scales keep the ties
+    kw.write_kv_cache_ref(k, v, ref_k, ref_v, slots, 0.5, 2.0)
+    kw.write_kv_cache(k, v, k_cache, v_cache, slots, 0.5, 2.0)
+    mismatches = int((k_cache.view(torch.uint8) != ref_k.view(torch.uint8)).sum())
+    mismatches += int((v_cache.view(torch.uint8) != ref_v.view(torch.uint8)).sum())
+    results["kv_cache_write"] = dict(exact=mismatches == 0, mismatched_bytes=mismatches)
+
+    # Decode and prefill: a bf16 cache and its fp8 copy (scales 2 * amax / 448, as calibrated).
+    batch, context = scale.decode_batch, scale.decode_context
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq + 1
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
+    v_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
+    k_scale = 2 * float(k_cache.abs().max()) / FP8_MAX
+    v_scale = 2 * float(v_cache.abs().max()) / FP8_MAX
+    k8, v8 = quantize_kv(k_cache, FP8_DTYPE, k_scale), quantize_kv(v_cache, FP8_DTYPE, v_scale)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    table = torch.randperm(num_blocks - 1, device=device, generator=gen)
+    table = table.view(batch, blocks_per_seq).int()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, head_dim, generator=gen, device=device).to(dtype)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    tile = 64 if device.type == "cuda" else 16
+
+    def decode(kc: torch.Tensor, vc: torch.Tensor, **kv_scales: float) -> None:
+        da.decode_attention(
+            q, kc, vc, table, qsl, seq_lens, head_dim**-0.5, out, num_decodes=batch,
+            num_splits=4 if device.type == "cuda" else 2, block_n=tile, **kv_scales,
+        )  # fmt: skip
+
+    decode(k8, v8, **scales)
+    on_stored = da.decode_attention_ref(q, k8, v8, table, seq_lens, head_dim**-0.5, **scales)
+    on_bf16 = da.decode_attention_ref(q, k_cache, v_cache, table, seq_lens, head_dim**-0.5)
+    results["decode_attention"] = dict(
+        rel_err=_rel_err(out, on_stored), rel_err_vs_bf16_cache=_rel_err(out, on_bf16)
+    )
+    fp8_seconds = timeit(lambda: decode(k8, v8, **scales), device)
+    bf16_seconds = timeit(lambda: decode(k_cache, v_cache), device)
+    kv_bytes = 2 * int(seq_lens.sum()) * kv_heads * head_dim
+    results["decode_attention"].update(
+        seconds=fp8_seconds,
+        bf16_cache_seconds=bf16_seconds,
+        speedup_vs_bf16_cache=bf16_seconds / fp8_seconds,
+        bandwidth_gbs=kv_bytes / fp8_seconds / 1e9,
+    )
+    # Prefill over the first sequence's blocks (prefill_context + prefill_query fits in
+    # decode_context at every scale).
+    n = scale.prefill_query
+    lens = torch.tensor([scale.prefill_context + n], dtype=torch.int32, device=device)
+    prefill_table = table[:1, : -(-int(lens[0]) // block_size)].contiguous()
+    qsl = torch.tensor([0, n], dtype=torch.int32, device=device)
+    q = torch.randn(n, heads, head_dim, generator=gen, device=device).to(dtype)
+    out = torch.empty_like(q)
+    pa.prefill_attention(
+        q, k8, v8, prefill_table, qsl, lens, head_dim**-0.5, out, num_prefills=1,
+        max_query_len=n, block_m=tile, block_n=tile, **scales,
+    )  # fmt: skip
+    args = (q, k8, v8, prefill_table, qsl, lens, head_dim**-0.5)
+    results["prefill_attention"] = dict(
+        rel_err=_rel_err(out, pa.prefill_attention_ref(*args, **scales))
+    )
+
+    # Engine, tiny model in fp32: the triton backend's greedy tokens with an fp8 cache against
+    # the torch backend's (same quantization, torch's conversions), and against auto.
+    path = workdir / "tiny-fp8"
+    make_random_model(path, TINY, device)
+    prompts, _ = nano_vllm_workload(scale.parity_prompts, 4, 40, TINY["vocab_size"], seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=scale.parity_tokens, ignore_eos=True)
+    tokens, blocks = {}, {}
+    for backend, kv_cache_dtype in (("triton", "fp8"), ("torch", "fp8"), ("triton", "auto")):
+        llm = LLM(
+            str(path), attention_backend=backend, dtype="float32", device=device.type,
+            block_size=16, max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype,
+        )  # fmt: skip
+        outputs = llm.generate(prompts, params)
+        tokens[backend, kv_cache_dtype] = [r.outputs[0].token_ids for r in outputs]
+        kv_cache_manager = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+        blocks[backend, kv_cache_dtype] = kv_cache_manager.block_pool.num_blocks
+        assert kv_cache_manager.get_num_blocks_in_use() == 0
+        del llm, kv_cache_manager
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def num_identical(other: tuple[str, str]) -> int:
+        return sum(a == b for a, b in zip(tokens["triton", "fp8"], tokens[other], strict=True))
+
+    results["engine"] = dict(
+        prompts=len(prompts),
+        identical_to_torch_backend=num_identical(("torch", "fp8")),
+        identical_to_auto=num_identical(("triton", "auto")),
+        blocks_auto=blocks["triton", "auto"],
+        blocks_fp8=blocks["triton", "fp8"],
+    )
+    results["engine"]["passed"] = results["engine"]["identical_to_torch_backend"] == len(prompts)
+    return results
+
+
 def check_throughput(scale: Scale, device: torch.device, workdir: Path) -> dict:
     """nano-vllm's offline workload on the engine, HF `generate` on a seeded subset, and
     decode step time at a large batch against its bandwidth limit."""
@@ -566,6 +701,7 @@ SECTIONS = {
     "fp8_linear": check_fp8_linear,
     "parity": check_parity,
     "throughput": check_throughput,
+    "fp8_kv": check_fp8_kv,
 }
 TARGETS = [
     (
@@ -578,6 +714,9 @@ TARGETS = [
     ("output tok/s", ("throughput", "output_tok_s"), ">=", 20000),
     ("speedup vs HF generate", ("throughput", "speedup_vs_hf"), ">=", 25),
     ("decode step / bandwidth limit", ("throughput", "decode_step", "ratio_to_limit"), "<=", 2.0),
+    ("fp8 KV write == torch's conversion", ("fp8_kv", "kv_cache_write", "exact"), "==", True),
+    ("fp8 KV decode vs reference", ("fp8_kv", "decode_attention", "rel_err"), "<=", 1e-2),
+    ("fp8 KV greedy tokens, triton == torch backend", ("fp8_kv", "engine", "passed"), "==", True),
 ]
 
 

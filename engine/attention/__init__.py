@@ -4,6 +4,9 @@ The model runner builds one `CommonAttentionMetadata` per step, hands it to the 
 `build` (all per-step precomputation happens there, once), and runs the model inside
 `set_forward_context(metadata)`; each attention layer reads the metadata back with
 `get_forward_context()` and calls `backend.forward`.
+
+The KV cache is stored in the model dtype or, with `kv_cache_dtype="fp8"`, in float8 e4m3
+with one static scale per layer for K and one for V (`quantize_kv` / `dequantize_kv`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,29 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# vLLM's "fp8" KV cache: e4m3 (no infinities; NaN only as 0x7f/0xff), largest finite 448.
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """What a cache of `cache_dtype` stores for `x`.
+
+    fp8: round_to_e4m3(clamp(x / scale, -448, 448)), computed in fp32 so bf16 inputs are
+    rounded once; the clamp saturates out-of-range values (an unclamped conversion may give
+    NaN). Any other cache dtype stores `x` as is (its scale is 1.0 and unused).
+    """
+    if cache_dtype != FP8_DTYPE:
+        return x.to(cache_dtype)
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize_kv(stored: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cache contents as `dtype` values: `stored * scale` for fp8, a plain cast otherwise."""
+    if stored.dtype != FP8_DTYPE:
+        return stored.to(dtype)
+    return stored.to(dtype) * scale
 
 
 @dataclass
@@ -41,7 +67,7 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # what the cache stores: the model dtype, or FP8_DTYPE (1 byte)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -73,7 +99,7 @@ class AttentionBackend(ABC):
     """Paged causal attention over a flat batch of requests.
 
     KV cache layout per layer: `k_cache`, `v_cache`, each
-    `[num_blocks, block_size, num_kv_heads, head_dim]`.
+    `[num_blocks, block_size, num_kv_heads, head_dim]`, in the model dtype or in FP8_DTYPE.
     """
 
     name: str
@@ -92,6 +118,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         metadata: Any,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Write the step's k/v into the caches, then attend; returns [T, num_heads, head_dim].
 
@@ -99,6 +127,11 @@ class AttentionBackend(ABC):
         `slot_mapping`) before any request reads, so a block shared in this step is complete.
         Each request's new queries attend causally to its whole context through its block
         table. Rows past `num_actual_tokens` (padding) come back as zeros.
+
+        `scale` multiplies q.k. With an fp8 cache, `k_scale` and `v_scale` are the layer's
+        quantization scales: the cache stores `quantize_kv(k, FP8_DTYPE, k_scale)` and every
+        key attended to, the step's own included, is the stored value times `k_scale` (V
+        likewise). With a cache in the model dtype both are 1.0.
         """
 
 

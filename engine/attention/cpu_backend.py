@@ -1,11 +1,12 @@
-"""The `cpu` attention backend: the torch backend with decode attention in a C kernel.
+"""The `cpu` attention backend: the torch backend with the KV write and decode attention in C.
 
 Decode tokens are most of a serving step, and on the CPU their attention is bound by reading
 the context: the torch backend gathers each context into a padded copy per layer before SDPA
 reads it again. Here all decode requests of the step go to one call of the paged C kernel
 (`engine.kernels.cpu_decode_attention`), which reads each block once, in place, with no
 padding and no bucketing; prefill and chunked-prefill requests keep the torch path (SDPA is
-efficient there: many queries share each gathered key).
+efficient there: many queries share each gathered key). With an fp8 cache the kernel
+decodes the e4m3 bytes itself; q and the output stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import CommonAttentionMetadata
+from engine.attention import CommonAttentionMetadata, quantize_kv
 from engine.attention.torch_backend import (
     TorchAttentionBackend,
     TorchAttentionMetadata,
@@ -78,7 +79,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype)
         if num_tokens < q.shape[0]:
             out[num_tokens:].zero_()
-        attend_groups(q, k, v, k_cache, v_cache, metadata.groups, scale, out)
+        if metadata.groups:
+            # Prefills attend to their own k/v as the cache stores them, as decodes do.
+            k = quantize_kv(k[:num_tokens], k_cache.dtype, k_scale)
+            v = quantize_kv(v[:num_tokens], v_cache.dtype, v_scale)
+            attend_groups(q, k, v, k_cache, v_cache, metadata.groups, scale, out, k_scale, v_scale)
         if metadata.decode_req_indices.numel():
             cpu_decode_attention.paged_decode_attention(
                 q,

@@ -10,6 +10,10 @@ padded rectangle of queries, so `forward` has no per-sequence Python loop:
   real row, and the kernel skips the upper triangle instead of computing and masking it;
 - prefills over earlier context (chunked prefill, prefix-cache hits), gathered and masked
   like decodes.
+
+With an fp8 cache, keys and values are dequantized after the gather, and a fresh prefill
+attends to its own k/v as stored (quantized, then dequantized): every backend attends to
+the same values whether a key came from the cache or from the step.
 """
 
 from __future__ import annotations
@@ -19,7 +23,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBackend, CommonAttentionMetadata
+from engine.attention import (
+    FP8_DTYPE,
+    AttentionBackend,
+    CommonAttentionMetadata,
+    dequantize_kv,
+    quantize_kv,
+)
 
 
 @dataclass
@@ -67,10 +77,12 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, metadata)
+        k, v = write_kv(k, v, k_cache, v_cache, metadata, k_scale, v_scale)
         out = torch.zeros_like(q)
-        attend_groups(q, k, v, k_cache, v_cache, metadata.groups, scale, out)
+        attend_groups(q, k, v, k_cache, v_cache, metadata.groups, scale, out, k_scale, v_scale)
         return out
 
 
@@ -80,14 +92,23 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     metadata: TorchAttentionMetadata,
-) -> None:
-    """Store the step's new k/v at their slots. The whole batch is written before anyone
-    reads: a later request may read a block written in this step."""
+    k_scale: float,
+    v_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store the step's new k/v at their slots; returns them as stored (the caches' dtype).
+    The whole batch is written before anyone reads: a later request may read a block
+    written in this step."""
     num_tokens = metadata.num_actual_tokens
-    _, _, num_kv_heads, head_dim = k_cache.shape
-    slots = metadata.slot_mapping
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[:num_tokens].to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[:num_tokens].to(v_cache.dtype))
+    stored = []
+    for x, cache, x_scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        x = quantize_kv(x[:num_tokens], cache.dtype, x_scale)
+        flat = cache.view(-1, *cache.shape[2:])
+        if cache.dtype == FP8_DTYPE:  # torch has no index_copy_ for fp8: copy the bytes
+            flat.view(torch.uint8).index_copy_(0, metadata.slot_mapping, x.view(torch.uint8))
+        else:
+            flat.index_copy_(0, metadata.slot_mapping, x)
+        stored.append(x)
+    return stored[0], stored[1]
 
 
 def attend_groups(
@@ -99,9 +120,14 @@ def attend_groups(
     groups: list[AttentionGroup],
     scale: float,
     out: torch.Tensor,
+    k_scale: float,
+    v_scale: float,
 ) -> None:
     """One padded SDPA call per group, over the step's own k/v (fresh prefills) or over keys
-    gathered through its block table; writes the real tokens' rows of `out`."""
+    gathered through its block table; writes the real tokens' rows of `out`.
+
+    `k`, `v` are the step's tokens as stored (`write_kv`'s result), dequantized like the
+    cache's."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[1]
     for group in groups:
@@ -120,8 +146,8 @@ def attend_groups(
             value = v_cache.index_select(0, flat_blocks).view_as(key)
         attn = F.scaled_dot_product_attention(
             query.transpose(1, 2),
-            key.transpose(1, 2).to(q.dtype),
-            value.transpose(1, 2).to(q.dtype),
+            dequantize_kv(key, q.dtype, k_scale).transpose(1, 2),
+            dequantize_kv(value, q.dtype, v_scale).transpose(1, 2),
             attn_mask=group.attn_mask,
             is_causal=group.block_table is None,
             scale=scale,

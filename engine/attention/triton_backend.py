@@ -79,10 +79,20 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
         # The whole batch is written first: a later request may read a block written now.
-        write_kv_cache(k[:num_tokens], v[:num_tokens], k_cache, v_cache, metadata.slot_mapping)
+        write_kv_cache(
+            k[:num_tokens],
+            v[:num_tokens],
+            k_cache,
+            v_cache,
+            metadata.slot_mapping,
+            k_scale,
+            v_scale,
+        )
         out = torch.empty_like(q)
         out[num_tokens:].zero_()
         common = (metadata.block_table, metadata.query_start_loc, metadata.seq_lens, scale, out)
@@ -96,6 +106,8 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits=self.num_kv_splits
             or _num_kv_splits(metadata.num_decodes, k_cache.shape[2], q.device),
             block_n=64 if q.is_cuda else 16,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         prefill_attention(
             q,
@@ -107,6 +119,8 @@ class TritonAttentionBackend(AttentionBackend):
             req_indices=metadata.prefill_req_indices,
             block_m=64 if q.is_cuda else 16,
             block_n=64 if q.is_cuda else 16,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         return out
 

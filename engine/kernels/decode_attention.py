@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.attention import FP8_DTYPE, dequantize_kv
+
 _LOG2E = 1.4426950408889634
 
 
@@ -28,6 +30,7 @@ def _decode_attention_split_kernel(
     Out_partial,
     Lse_partial,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -51,6 +54,7 @@ def _decode_attention_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     pid_s = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -76,7 +80,10 @@ def _decode_attention_split_kernel(
         mask=mask_g[:, None] & mask_d[None, :],
         other=0.0,
     )
-    q = q.to(K_cache.dtype.element_ty)
+    # The dots run in the cache's dtype; an fp8 cache is upcast to q's (exact: e4m3 values
+    # are bf16 values), its scales folded into qk_scale and the final normalization.
+    if not KV_FP8:
+        q = q.to(K_cache.dtype.element_ty)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -90,6 +97,8 @@ def _decode_attention_split_kernel(
         mask_kv = mask_n[:, None] & mask_d[None, :]
         k_ptrs = K_cache + block_ids * stride_kb + page_offs * stride_ks + kv_head * stride_kh
         k = tl.load(k_ptrs[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -98,13 +107,15 @@ def _decode_attention_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = V_cache + block_ids * stride_vb + page_offs * stride_vs + kv_head * stride_vh
         v = tl.load(v_ptrs[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # An empty slice (short context, or a padded row with seq_len 0) leaves lse = -inf and
     # contributes nothing to the merge.
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    out = acc / l_safe[:, None] * v_scale
     lse = m_i + tl.log2(l_safe)
     out_ptrs = Out_partial + pid_s * stride_os + heads[:, None] * stride_oh + split * stride_ok
     tl.store(out_ptrs + offs_d[None, :], out, mask=mask_g[:, None] & mask_d[None, :])
@@ -179,6 +190,8 @@ def decode_attention(
     req_indices: torch.Tensor | None = None,
     num_splits: int = 1,
     block_n: int = 64,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attend each decode request's single query token to its paged context; fills `out`.
 
@@ -186,7 +199,8 @@ def decode_attention(
     head_dim]`; block_table `[R, max_blocks]`; query_start_loc `[R + 1]`, seq_lens `[R]`
     (context length including the query token). Requests `req_indices[:num_decodes]` (or the
     first `num_decodes` requests when None) are processed; each writes row
-    `query_start_loc[req]` of `out`. A request with seq_len 0 writes zeros.
+    `query_start_loc[req]` of `out`. A request with seq_len 0 writes zeros. An fp8 cache
+    (q and out in the model dtype) is read as stored * `k_scale` (`v_scale` for V).
     """
     if num_decodes == 0:
         return
@@ -198,6 +212,8 @@ def decode_attention(
     lse = torch.empty((num_decodes, num_heads, num_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     has_req_indices = req_indices is not None
+    kv_fp8 = k_cache.dtype == FP8_DTYPE
+    dot_dtype = q.dtype if kv_fp8 else k_cache.dtype
     _decode_attention_split_kernel[(num_decodes, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -208,7 +224,8 @@ def decode_attention(
         req_indices if has_req_indices else seq_lens,
         partial,
         lse,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E,
+        v_scale,
         q.stride(0),
         q.stride(1),
         *k_cache.stride()[:3],
@@ -225,7 +242,8 @@ def decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
+        KV_FP8=kv_fp8,
     )
     _decode_attention_reduce_kernel[(num_decodes, num_heads)](
         partial,
@@ -252,8 +270,11 @@ def decode_attention_ref(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """PyTorch reference: q `[S, num_heads, head_dim]`, one query per sequence, in fp32."""
+    """PyTorch reference: q `[S, num_heads, head_dim]`, one query per sequence, in fp32 over
+    the dequantized cache."""
     num_heads = q.shape[1]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -261,8 +282,10 @@ def decode_attention_ref(
         if seq_len == 0:
             continue
         blocks = block_table[s, : -(-seq_len // block_size)].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k = dequantize_kv(k, torch.float32, k_scale)
+        v = dequantize_kv(v, torch.float32, v_scale)
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("hd,khd->hk", q[s].float(), k) * scale

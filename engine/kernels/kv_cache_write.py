@@ -3,6 +3,13 @@
 Cache layout per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`; token `t` goes to
 block `slot_mapping[t] // block_size`, offset `slot_mapping[t] % block_size`. A negative slot
 (a padded row of a CUDA-graph batch) writes nothing.
+
+An fp8 cache stores `round_to_e4m3(clamp(x / scale, -448, 448))` (`quantize_kv`); the
+rounding is the GPU's fp32 -> e4m3 conversion (round to nearest even, compute capability
+>= 8.9). TRITON_INTERPRET=1 (triton 3.9) emulates that conversion wrongly: ties round away
+from zero, and a rounding carry out of the mantissa is lost (125.6 is stored as 64, not 128),
+so under the interpreter only values already on the e4m3 grid are stored exactly;
+`benchmarks/gpu_check.py` compares arbitrary values with torch's conversion on a GPU.
 """
 
 from __future__ import annotations
@@ -10,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine.attention import FP8_DTYPE, FP8_MAX, quantize_kv
 
 
 @triton.jit
@@ -19,6 +28,8 @@ def _write_kv_cache_kernel(
     K_cache,
     V_cache,
     Slot_mapping,
+    k_scale,
+    v_scale,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -34,6 +45,8 @@ def _write_kv_cache_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(Slot_mapping + token).to(tl.int64)
@@ -46,6 +59,9 @@ def _write_kv_cache_kernel(
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(K + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(V + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if KV_FP8:  # division rounded as torch's (a plain `/` is approximate on the GPU)
+        k = tl.clamp(tl.div_rn(k.to(tl.float32), k_scale), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(tl.div_rn(v.to(tl.float32), v_scale), -FP8_MAX, FP8_MAX)
     k_ptrs = K_cache + block * stride_kcb + offset * stride_kcs
     v_ptrs = V_cache + block * stride_vcb + offset * stride_vcs
     tl.store(
@@ -66,10 +82,13 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write `k`, `v` `[T, num_kv_heads, head_dim]` into the caches (mutated in place).
 
     `slot_mapping` `[T]` int: `block_id * block_size + offset`; negative entries are skipped.
+    An fp8 cache stores `quantize_kv(k, FP8_DTYPE, k_scale)` (v likewise).
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -82,6 +101,8 @@ def write_kv_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale,
+        v_scale,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -97,6 +118,8 @@ def write_kv_cache(
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        KV_FP8=k_cache.dtype == FP8_DTYPE,
+        FP8_MAX=FP8_MAX,
     )
 
 
@@ -106,10 +129,12 @@ def write_kv_cache_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """PyTorch reference of `write_kv_cache`."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     num_kv_heads, head_dim = k_cache.shape[2:]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k[valid].to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[valid].to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = quantize_kv(k[valid], k_cache.dtype, k_scale)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = quantize_kv(v[valid], v_cache.dtype, v_scale)

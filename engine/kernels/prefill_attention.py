@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.attention import FP8_DTYPE, dequantize_kv
+
 _LOG2E = 1.4426950408889634
 
 
@@ -27,6 +29,7 @@ def _prefill_attention_kernel(
     Seq_lens,
     Req_indices,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -46,6 +49,7 @@ def _prefill_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -72,7 +76,10 @@ def _prefill_attention_kernel(
         mask=mask_m[:, None] & mask_d[None, :],
         other=0.0,
     )
-    q = q.to(K_cache.dtype.element_ty)
+    # The dots run in the cache's dtype; an fp8 cache is upcast to q's (exact: e4m3 values
+    # are bf16 values), its scales folded into qk_scale and the final normalization.
+    if not KV_FP8:
+        q = q.to(K_cache.dtype.element_ty)
     q_pos = context_len + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -89,6 +96,8 @@ def _prefill_attention_kernel(
         mask_kv = mask_n[:, None] & mask_d[None, :]
         k_ptrs = K_cache + block_ids * stride_kb + page_offs * stride_ks + kv_head * stride_kh
         k = tl.load(k_ptrs[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         causal = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
         qk = tl.where(causal, qk, float("-inf"))
@@ -98,10 +107,12 @@ def _prefill_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = V_cache + block_ids * stride_vb + page_offs * stride_vs + kv_head * stride_vh
         v = tl.load(v_ptrs[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale
     tl.store(
         Out + (q_start + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :],
         out.to(Out.dtype.element_ty),
@@ -123,18 +134,23 @@ def prefill_attention(
     req_indices: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Causal paged attention for the requests `req_indices[:num_prefills]`; fills `out`.
 
     q, out `[T, num_heads, head_dim]` (request r's queries are rows
     `query_start_loc[r]:query_start_loc[r + 1]`); seq_lens `[R]` counts cached plus new
-    tokens, all already in the cache. `max_query_len` bounds the query tiles launched.
+    tokens, all already in the cache. `max_query_len` bounds the query tiles launched. An
+    fp8 cache (q and out in the model dtype) is read as stored * `k_scale` (`v_scale`).
     """
     if num_prefills == 0 or max_query_len == 0:
         return
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     has_req_indices = req_indices is not None
+    kv_fp8 = k_cache.dtype == FP8_DTYPE
+    dot_dtype = q.dtype if kv_fp8 else k_cache.dtype
     grid = (triton.cdiv(max_query_len, block_m), num_prefills, num_heads)
     _prefill_attention_kernel[grid](
         q,
@@ -145,7 +161,8 @@ def prefill_attention(
         query_start_loc,
         seq_lens,
         req_indices if has_req_indices else seq_lens,
-        scale * _LOG2E,
+        scale * k_scale * _LOG2E,
+        v_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -160,7 +177,8 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
+        KV_FP8=kv_fp8,
     )
 
 
@@ -172,8 +190,11 @@ def prefill_attention_ref(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """PyTorch reference of `prefill_attention` over every request, in fp32."""
+    """PyTorch reference of `prefill_attention` over every request, in fp32 over the
+    dequantized cache."""
     num_heads = q.shape[1]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -183,8 +204,10 @@ def prefill_attention_ref(
         if q_len == 0:
             continue
         blocks = block_table[r, : -(-seq_len // block_size)].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        k = dequantize_kv(k, torch.float32, k_scale)
+        v = dequantize_kv(v, torch.float32, v_scale)
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[qsl[r] : qsl[r + 1]].float(), k) * scale

@@ -124,6 +124,9 @@ class LlamaAttention(nn.Module):
         # Bound by the model runner (bind_kv_cache); not parameters or buffers.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # An fp8 cache's per-layer scales, calibrated by the model runner; 1.0 otherwise.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, hidden_states: torch.Tensor, rope: RopeFn) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
@@ -136,8 +139,9 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k)
+        metadata = get_forward_context().attn_metadata
         out = self.attn_backend.forward(
-            q, k, v, self.k_cache, self.v_cache, get_forward_context().attn_metadata, self.scale
+            q, k, v, self.k_cache, self.v_cache, metadata, self.scale, self.k_scale, self.v_scale
         )
         return self.o_proj(out.view(num_tokens, self.q_size))
 

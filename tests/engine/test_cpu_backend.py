@@ -7,14 +7,17 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import default_attn_backend
+from engine.attention import FP8_DTYPE, default_attn_backend
 from engine.kernels.cpu_decode_attention import paged_decode_attention
 from engine.kernels.decode_attention import decode_attention_ref
 from tests.engine.test_kernels import (
+    E4M3_GRID,
+    FP8_SCALES,
     HEAD_DIM,
     check_decode_writes_only_selected_rows,
     decode_inputs,
     paged_cache,
+    to_fp8,
 )
 from tests.engine.tiny_models import make_tiny_model
 
@@ -39,6 +42,44 @@ def test_kernel_matches_reference(dtype, block_size, num_heads, num_kv_heads, he
     assert not out[3].any(), "an empty context must give zeros, not NaN"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # q and out
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])
+def test_kernel_reads_fp8_cache(dtype, head_dim):
+    q, k_cache, v_cache, block_table, query_start_loc, seq_lens = decode_inputs(
+        16, 6, 2, torch.float32, long_blocks=5, head_dim=head_dim
+    )
+    k_cache, v_cache = to_fp8(k_cache, v_cache)
+    q = q.to(dtype)
+    out = torch.full_like(q, float("nan"))
+    every_request = torch.arange(len(seq_lens), dtype=torch.int32)
+    paged_decode_attention(
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, every_request, 0.3, out,
+        **FP8_SCALES,
+    )  # fmt: skip
+    expected = decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, 0.3, **FP8_SCALES)
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+    assert not out[3].any(), "an empty context must give zeros, not NaN"
+
+
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+def test_kernel_decodes_every_e4m3_value_exactly(head_dim):
+    """A one-token context: softmax weight 1, so the fp32 output is the cached V row as the
+    kernel decodes it, times v_scale (exact: 0.75 has two significant bits)."""
+    num_heads = 256 // head_dim
+    values = torch.cat([E4M3_GRID, torch.zeros(2)])  # the 254 finite values (incl. subnormals)
+    v_cache = torch.zeros(1, 8, num_heads, head_dim, dtype=FP8_DTYPE)
+    v_cache[0, 0] = values.view(num_heads, head_dim).to(FP8_DTYPE)
+    k_cache = torch.zeros_like(v_cache)
+    q = torch.randn(1, num_heads, head_dim)
+    out = torch.empty_like(q)
+    one = torch.zeros(1, dtype=torch.int32)
+    paged_decode_attention(
+        q, k_cache, v_cache, one.view(1, 1), torch.tensor([0, 1], dtype=torch.int32),
+        one + 1, one, 1.0, out, k_scale=1.0, v_scale=0.75,
+    )  # fmt: skip
+    assert torch.equal(out.flatten(), 0.75 * values)
+
+
 def test_kernel_writes_only_the_selected_requests_rows():
     check_decode_writes_only_selected_rows(paged_decode_attention)
 
@@ -59,6 +100,15 @@ def test_kernel_rejects_what_it_cannot_read():
     with pytest.raises(ValueError, match="caches hold"):
         paged_decode_attention(q, k_cache.bfloat16(), v_cache.bfloat16(), *args[2:], index,
                                1.0, torch.empty_like(q))  # fmt: skip
+    # An fp8 cache takes q and out in the model dtype, both caches in fp8.
+    k8, v8 = (c.to(FP8_DTYPE) for c in (k_cache, v_cache))
+    fp8_args = (k8, v8, *args[2:])
+    with pytest.raises(ValueError, match="share one dtype"):
+        paged_decode_attention(q.to(FP8_DTYPE), *fp8_args, index, 1.0, torch.empty_like(q))
+    with pytest.raises(ValueError, match="caches hold"):
+        paged_decode_attention(q, k8, v_cache, *args[2:], index, 1.0, torch.empty_like(q))
+    with pytest.raises(ValueError, match="share one dtype"):
+        paged_decode_attention(q, *fp8_args, index, 1.0, torch.empty_like(q.bfloat16()))
 
 
 def test_auto_picks_the_kernel_only_where_it_can_build(monkeypatch):

@@ -13,7 +13,9 @@ from engine.llm_engine import merge_delta
 from tests.engine.test_llm import PROMPTS, assert_pool_free
 from tests.engine.tiny_models import make_tiny_model
 
-LOGPROB_TOL = 1e-4  # fp32 on CPU, engine vs HF or chunked vs whole: measured under 3e-5
+# fp32 on CPU, engine vs HF or chunked vs whole: measured up to 1.1e-4 on these chaotic tiny
+# models with the C kernels (their fast-math reductions sum in another order than torch).
+LOGPROB_TOL = 3e-4
 BLOCK_SIZE = 16
 
 
@@ -62,8 +64,9 @@ def assert_matches_hf(prompt_logprobs, token_ids, ref: torch.Tensor, k: int, tok
         assert token_id in entry, f"position {i}: prompt token missing"
         ours = entry[token_id]
         assert abs(ours.logprob - row[token_id].item()) < LOGPROB_TOL, f"position {i}"
-        lowest_rank = int((row > row[token_id] + LOGPROB_TOL).sum()) + 1
-        highest_rank = int((row >= row[token_id] - LOGPROB_TOL).sum())
+        # A rank compares two logprobs, each within LOGPROB_TOL of HF's: ties within twice it.
+        lowest_rank = int((row > row[token_id] + 2 * LOGPROB_TOL).sum()) + 1
+        highest_rank = int((row >= row[token_id] - 2 * LOGPROB_TOL).sum())
         assert lowest_rank <= ours.rank <= highest_rank, f"position {i}: rank {ours.rank}"
         assert ours.decoded_token == tokenizer.convert_ids_to_tokens(token_id)
         top = {t: lp for t, lp in entry.items() if lp.rank <= k}

@@ -29,7 +29,8 @@ def _llm(model, **kwargs) -> LLM:
 def _prefill_logits(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     runner = llm.llm_engine.engine_core.model_runner
     with torch.inference_mode():
-        return runner.model.compute_logits(runner._prefill_forward(token_ids))
+        hidden_states, _ = runner._prefill_forward(token_ids, runner.dtype)
+        return runner.model.compute_logits(hidden_states)
 
 
 def _assert_pool_free(llm: LLM) -> None:

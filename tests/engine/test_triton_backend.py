@@ -14,7 +14,9 @@ from tests.engine.test_attention import (
     MIXED_BATCH,
     expected_outputs,
     make_step,
+    run_fp8_step,
 )
+from tests.engine.test_kernels import TOL
 from tests.engine.tiny_models import make_tiny_model
 
 
@@ -56,6 +58,17 @@ def test_padded_decode_batch_as_cuda_graphs_replay_it():
     assert not out[2:].any(), "padded rows must come back as zeros"
     changed = (k_cache != k_cache_before).flatten(1).any(1).nonzero().flatten().tolist()
     assert changed == sorted({int(s) // 8 for s in common.slot_mapping[:2]})
+
+
+# fp16, not bf16: the interpreter's bf16 tl.dot is wrong (the bf16 path is checked on a GPU).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_cache_matches_reference_on_what_was_stored(dtype):
+    """The interpreter stores some values wrongly (see kv_cache_write.py), but the attention
+    kernels must read back exactly what the cache holds. Against the float cache: on a GPU,
+    in benchmarks/gpu_check.py."""
+    step = run_fp8_step(TritonAttentionBackend(num_kv_splits=2), dtype)
+    torch.testing.assert_close(step.out, step.on_stored, **TOL[dtype])
+    assert not step.padding.any(), "padding rows must stay zero"
 
 
 PROMPT_PREFIX = list(range(100, 119))  # 19 tokens: shared blocks end mid-block

@@ -251,7 +251,7 @@ async def collect(client: KvrailClient, request_id: str) -> list:
 def test_two_workers_one_killed_every_request_completes(tmp_path):
     """16 streaming requests over two workers; one is SIGKILLed mid-generation."""
     model = make_tiny_model(tmp_path / "tiny", "llama")
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = [f"Request number {i}: tell me about the number {i * 7}." for i in range(16)]
     reference = LLM(str(model), dtype="float32").generate(prompts, params)
 
@@ -275,6 +275,9 @@ def test_two_workers_one_killed_every_request_completes(tmp_path):
         assert "".join(c.text for c in chunks) == ref.outputs[0].text
 
 
+MAX_TOKENS = 200  # long enough that w0 is caught mid-generation whatever the engine's speed
+
+
 async def run_and_kill(url: str, prompts: list[str], workers, tmp_path) -> list[list]:
     async with KvrailClient(url) as client:
         deadline = time.monotonic() + 90
@@ -284,16 +287,20 @@ async def run_and_kill(url: str, prompts: list[str], workers, tmp_path) -> list[
         ids = []
         for prompt in prompts:
             ids.append(uuid.uuid4().hex)
-            sampling = {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True}
+            sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
             await client.submit(GenerateRequest(ids[-1], prompt=prompt, sampling=sampling))
         readers = [asyncio.create_task(collect(client, i)) for i in ids]
-        # Kill w0 once it is generating: some of its chunks are out, others are not.
+        # Kill w0 while it holds requests (delivered, not yet acknowledged: acks come after a
+        # request's last chunk) and chunks are out: some of its chunks are sent, others not.
+        deadline = time.monotonic() + 60
         while True:
-            busy = {w.name: w.num_running for w in await client.workers()}
-            if busy.get("w0", 0) > 0:
+            pending = await client.redis.xpending(keys.requests, keys.group)
+            holders = {c["name"].decode(): c["pending"] for c in pending["consumers"]}
+            started = await client.redis.exists(*(keys.response(i) for i in ids))
+            if holders.get("w0", 0) > 0 and started:
                 break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)
+            assert time.monotonic() < deadline, "w0 never held a request while chunks were out"
+            await asyncio.sleep(0.01)
         os.killpg(workers[0].pid, signal.SIGKILL)
         return await asyncio.wait_for(asyncio.gather(*readers), timeout=120)
 

@@ -250,6 +250,7 @@ async def test_engine_fault_and_running_deadline_fail_only_their_requests(
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected fault")
+        time.sleep(0.005)  # 400 steps outlast the 300 ms deadline however fast the engine
         return real_step()
 
     monkeypatch.setattr(engine.engine_core, "step", step_failing_once)
