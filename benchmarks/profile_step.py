@@ -30,7 +30,7 @@ from benchmarks.common import (
 PARTS = (
     ("decode graph (all its C kernels)", ("kvrail::cpu_graph",)),
     ("linear", ("aten::addmm", "aten::mm", "aten::matmul", "kvrail_linear", "quantize_rows")),
-    ("attention", ("scaled_dot_product", "flash_attention", "decode_attention", "_softmax")),
+    ("attention", ("scaled_dot_product", "flash_attention", "_attention", "_softmax")),
     ("kv gather / write", ("aten::index_select", "aten::index_copy", "aten::index", "write_kv")),
     ("norm / activation", ("rms_norm", "aten::pow", "aten::rsqrt", "aten::mean", "silu")),
     ("rotary", ("aten::cos", "aten::sin", "rotary", "aten::neg", "aten::cat")),

@@ -21,13 +21,6 @@ from engine.attention import AttentionBackend, CommonAttentionMetadata, set_forw
 
 logger = logging.getLogger("kvrail.decode_graphs")
 
-# CPU graphs cover batches up to this size. Each bucket keeps its own activations of every
-# layer (no shared memory pool as on CUDA: about 360 KB per row for SmolLM2-135M), and the
-# bigger the batch, the smaller the share of a step that host overhead is. Unquantized models
-# need it <= CPU_FLOAT_KERNEL_MAX_TOKENS (models/layers.py): larger steps call torch's matmul,
-# which a CPU graph cannot record.
-CPU_GRAPH_MAX_BATCH = 8
-
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """vLLM's buckets: 1, 2, 4, then every multiple of 8, up to `max_num_seqs`."""
@@ -164,21 +157,24 @@ class CudaDecodeGraphs(DecodeGraphs):
 
 class CpuDecodeGraphs(DecodeGraphs):
     """CPU graphs record the C kernels of one forward (`cpu_runtime.capture`); the attention
-    metadata is built before the capture, from the persistent buffers, and stays valid."""
+    metadata is built before the capture, from the persistent buffers, and stays valid. Every
+    bucket's activations come from one shared pool (the largest bucket's size: about 360 KB a
+    row for SmolLM2-135M)."""
 
     kind = "CPU"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        from engine.kernels.cpu_runtime import CpuGraph
+        from engine.kernels.cpu_runtime import CpuGraph, CpuGraphPool
 
         self.graphs: dict[int, CpuGraph] = {}
+        self.pool = CpuGraphPool()
 
     def _capture(self, size: int) -> None:
         from engine.kernels.cpu_runtime import capture
 
         metadata = self.attn_backend.build(self._metadata(size))
-        with set_forward_context(metadata), capture() as graph:
+        with set_forward_context(metadata), capture(self.pool) as graph:
             self.outputs[size] = self.model(self.input_ids[:size], self.positions[:size])
         graph.keep.append(metadata)
         self.graphs[size] = graph

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoConfig
 
 from engine import quantization
 from engine.attention import (
@@ -32,14 +33,15 @@ from engine.attention import (
 )
 from engine.config import EngineConfig
 from engine.decode_graphs import (
-    CPU_GRAPH_MAX_BATCH,
     CpuDecodeGraphs,
     CudaDecodeGraphs,
     DecodeGraphs,
     capture_sizes,
 )
+from engine.kernels import cpu_attention
 from engine.loader import load_model
 from engine.models.layers import model_kernels
+from engine.models.llama import head_dim_of
 from engine.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from engine.request import SamplingParams
 from engine.sampler import Sampler, SamplingMetadata, gather_logprobs
@@ -123,9 +125,15 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        head_dim = head_dim_of(AutoConfig.from_pretrained(model_dir))
         backend = config.attention_backend
         if backend == "auto":
-            backend = default_attn_backend(self.device, self.dtype)
+            backend = default_attn_backend(self.device, self.dtype, head_dim)
+        elif backend == "cpu" and not cpu_attention.supports_head_dim(head_dim):
+            raise ValueError(
+                f"attention_backend='cpu' takes head_dim 16, 32, ..., 256, the model has "
+                f"{head_dim}: use attention_backend='torch'"
+            )
         self.attn_backend = get_attn_backend(backend)
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             config.kv_cache_dtype, self.dtype, backend, self.device
@@ -342,7 +350,9 @@ class ModelRunner:
                 self.model, self.attn_backend, sizes, *graphs_args
             )
         elif self.attn_backend.name == "cpu":
-            sizes = [s for s in capture_sizes(self.max_num_reqs) if s <= CPU_GRAPH_MAX_BATCH]
+            # Steps whose linear layers run on torch's matmul cannot be recorded.
+            max_size = self.model.lm_head.method.cpu_graph_max_tokens
+            sizes = [s for s in capture_sizes(self.max_num_reqs) if s <= max_size]
             self.decode_graphs = CpuDecodeGraphs(self.model, self.attn_backend, sizes, *graphs_args)
         if self.decode_graphs is not None:
             self.decode_graphs.capture()

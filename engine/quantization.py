@@ -99,6 +99,7 @@ class Int8LinearMethod(QuantizedLinearMethod):
 
     name = "int8"
     weight_dtype = torch.int8
+    cpu_graph_max_tokens = 1 << 30  # the C kernel serves every batch size
 
     def quantize_rows(self, weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_rows_int8(weight)

@@ -195,7 +195,8 @@ def test_contiguous_occupancy_on_a_tiny_mix():
 
 def test_profile_groups_ops_into_parts_of_a_step():
     assert part_of("aten::mm") == part_of("aten::addmm") == "linear"
-    assert part_of("kvrail::cpu_decode_attention") == "attention"
+    assert part_of("kvrail_decode_attention") == "attention"
+    assert part_of("kvrail_prefill_attention") == "attention"
     assert part_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert part_of("aten::index_select") == "kv gather / write"
     assert part_of("aten::argmax") == "sampling"

@@ -152,14 +152,18 @@ def get_attn_backend(name: str) -> AttentionBackend:
     raise ValueError(f"unknown attention backend {name!r}; available: 'torch', 'triton', 'cpu'")
 
 
-def default_attn_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """`auto`: Triton kernels on CUDA; on the CPU the C kernels when the dtype is supported
-    and a C compiler is there to build them; the plain torch backend otherwise."""
+def default_attn_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """`auto`: Triton kernels on CUDA; on the CPU the C kernels when the dtype and head size
+    are supported and a C compiler is there to build them; the plain torch backend otherwise."""
     if device.type == "cuda":
         return "triton"
-    from engine.kernels import cpu_build, cpu_decode_attention
+    from engine.kernels import cpu_attention, cpu_build
 
-    supported = device.type == "cpu" and dtype in cpu_decode_attention.SUPPORTED_DTYPES
+    supported = (
+        device.type == "cpu"
+        and dtype in cpu_attention.SUPPORTED_DTYPES
+        and cpu_attention.supports_head_dim(head_dim)
+    )
     return "cpu" if supported and cpu_build.compiler() is not None else "torch"
 
 

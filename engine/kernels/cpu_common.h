@@ -51,6 +51,22 @@ static inline void store_float(void *p, int dtype, int64_t i, float v) {
 
 static inline int64_t dtype_size(int dtype) { return dtype == KVRAIL_F32 ? 4 : dtype == KVRAIL_BF16 ? 2 : 1; }
 
+/* Arguments of the paged attention kernels (cpu_decode_attention.c, cpu_prefill_attention.c):
+ * the Triton kernels' contracts (engine/kernels/decode_attention.py, prefill_attention.py). */
+struct kvrail_attention_args {
+    const void *q;                   /* [num_tokens, num_heads, head_dim], q_dtype */
+    const void *k_cache, *v_cache;   /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    const int32_t *block_table;      /* [num_reqs, stride_bt] */
+    const int32_t *query_start_loc;  /* [num_reqs + 1] */
+    const int32_t *seq_lens;         /* [num_reqs]: cached + this step's tokens */
+    const int32_t *req_indices;      /* [num_requests]: the requests attended */
+    void *out;                       /* like q, contiguous; only their rows are written */
+    int64_t q_dtype, cache_dtype, num_requests, num_heads, num_kv_heads, head_dim, block_size;
+    int64_t stride_q;                /* q's token stride: heads and head_dim are contiguous */
+    int64_t stride_bt;
+    float scale, k_scale, v_scale;   /* fp8 caches hold x / k_scale, x / v_scale */
+};
+
 /* [begin, end) of `n` items for thread `tid` of `num_threads`, in multiples of `unit`. */
 static inline void thread_range(int64_t n, int64_t unit, int tid, int num_threads, int64_t *begin,
                                 int64_t *end) {

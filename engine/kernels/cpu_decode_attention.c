@@ -50,22 +50,8 @@ static inline void prefetch_block(const void *block, int64_t bytes, int locality
         }
 }
 
-struct kvrail_decode_attention_args {
-    const void *q;                   /* [num_tokens, num_heads, head_dim], q_dtype */
-    const void *k_cache, *v_cache;   /* [num_blocks, block_size, num_kv_heads, head_dim] */
-    const int32_t *block_table;      /* [num_reqs, stride_bt] */
-    const int32_t *query_start_loc;  /* [num_reqs + 1] */
-    const int32_t *seq_lens;         /* [num_reqs] */
-    const int32_t *req_indices;      /* [num_decodes]: the requests attended */
-    void *out;                       /* like q; row query_start_loc[req] of each is written */
-    int64_t q_dtype, cache_dtype, num_decodes, num_heads, num_kv_heads, head_dim, block_size;
-    int64_t stride_q;                /* q's token stride: heads and head_dim are contiguous */
-    int64_t stride_bt;
-    float scale, k_scale, v_scale;
-};
-
 #define DEFINE_DECODE(NAME, T, LOAD_Q, C, LOAD_C, HEAD_DIM)                                        \
-static void NAME(const struct kvrail_decode_attention_args *a, int tid, int num_threads) {        \
+static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {        \
     const T *q = a->q;                                                                             \
     const C *k_cache = a->k_cache, *v_cache = a->v_cache;                                          \
     const int num_heads = (int)a->num_heads, block_size = (int)a->block_size;                      \
@@ -75,7 +61,7 @@ static void NAME(const struct kvrail_decode_attention_args *a, int tid, int num_
     const int64_t block_bytes = block_size * stride_slot * (int64_t)sizeof(C);                     \
     const float q_scale = a->scale * a->k_scale;                                                   \
     int max_seq_len = 0;                                                                           \
-    for (int64_t i = 0; i < a->num_decodes; i++) {                                                 \
+    for (int64_t i = 0; i < a->num_requests; i++) {                                                 \
         const int len = a->seq_lens[a->req_indices[i]];                                            \
         max_seq_len = len > max_seq_len ? len : max_seq_len;                                       \
     }                                                                                              \
@@ -86,7 +72,7 @@ static void NAME(const struct kvrail_decode_attention_args *a, int tid, int num_
     float *acc = malloc(sizeof(float) * (size_t)num_heads * (size_t)hd);                           \
     float *sums = malloc(sizeof(float) * (size_t)num_heads);                                       \
     /* Requests dealt out in turn: contexts of random lengths even out across threads. */        \
-    for (int64_t i = tid; i < a->num_decodes; i += num_threads) {                                 \
+    for (int64_t i = tid; i < a->num_requests; i += num_threads) {                                 \
         const int req = a->req_indices[i];                                                         \
         const int seq_len = a->seq_lens[req];                                                      \
         const int32_t *blocks = a->block_table + req * a->stride_bt;                               \
@@ -163,7 +149,7 @@ static void NAME(const struct kvrail_decode_attention_args *a, int tid, int num_
 DEFINE_DECODE(NAME##_64, T, LOAD_Q, C, LOAD_C, 64)                                                 \
 DEFINE_DECODE(NAME##_128, T, LOAD_Q, C, LOAD_C, 128)                                               \
 DEFINE_DECODE(NAME##_any, T, LOAD_Q, C, LOAD_C, 0)                                                 \
-static void NAME(const struct kvrail_decode_attention_args *a, int tid, int num_threads) {        \
+static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {        \
     if (a->head_dim == 64)                                                                         \
         NAME##_64(a, tid, num_threads);                                                            \
     else if (a->head_dim == 128)                                                                   \
@@ -181,13 +167,13 @@ DEFINE_HEAD_SIZES(decode_bf16_fp8, uint16_t, load_bf16, uint8_t, load_e4m3)
 /* The AVX-512 path, for head sizes 64 and 128 (others take the portable one): K and V are
  * converted once per kv head rather than once per query head, 16 q.k dot products are summed
  * by one transposing tree instead of 16 horizontal sums, and each kv head's outputs stay in
- * registers while V streams by. Measured on the project's 2-vCPU EPYC, 48 sequences of
+ * registers (heads x head_dim / 16 independent sums: one running sum per register waits on
+ * the FMA latency) while V streams by. Measured on the project's 2-vCPU EPYC, 48 sequences of
  * 256-640 tokens, 9 query and 3 kv heads of 64, 30 layers (KV from DRAM): bf16 cache 51.3 ->
- * 49.7 ms, fp8 cache 55.8 -> 40.8 ms; one sequence of 448 tokens in L2: 44 -> 36 us a call.
- * Both are still far from the memory bandwidth (~10 GB/s of 30): see the closing notes of
- * issue 10 for what is left. */
+ * 40.3 ms, fp8 cache 55.8 -> 37.9 ms; still under half the memory bandwidth (12.5 of ~30
+ * GB/s), so scores and softmax remain the cost. */
 #define CHUNK 16
-#define MAX_GROUP 8 /* query heads per pass over V */
+#define HEADS_PER_PASS 4 /* query heads per pass over V: 4 x head_dim / 16 accumulators */
 
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 
@@ -223,7 +209,7 @@ static inline __m512 sum16(const __m512 *v) {
 }
 
 #define DEFINE_DECODE_AVX512(NAME, T, LOAD_Q, C, LOAD16, HEAD_DIM)                               \
-static void NAME(const struct kvrail_decode_attention_args *a, int tid, int num_threads) {        \
+static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {        \
     const T *q = a->q;                                                                             \
     const C *k_cache = a->k_cache, *v_cache = a->v_cache;                                          \
     const int num_heads = (int)a->num_heads, num_kv = (int)a->num_kv_heads;                        \
@@ -233,7 +219,7 @@ static void NAME(const struct kvrail_decode_attention_args *a, int tid, int num_
     const int64_t block_bytes = block_size * stride_slot * (int64_t)sizeof(C);                     \
     const float q_scale = a->scale * a->k_scale;                                                   \
     int max_seq_len = 0;                                                                           \
-    for (int64_t i = 0; i < a->num_decodes; i++) {                                                 \
+    for (int64_t i = 0; i < a->num_requests; i++) {                                                 \
         const int len = a->seq_lens[a->req_indices[i]];                                            \
         max_seq_len = len > max_seq_len ? len : max_seq_len;                                       \
     }                                                                                              \
@@ -242,7 +228,7 @@ static void NAME(const struct kvrail_decode_attention_args *a, int tid, int num_
     float *scores = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * stride_s));             \
     float *qf = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * hd));                       \
     __m512 *part = aligned_alloc(64, sizeof(__m512) * (size_t)(num_heads * CHUNK));                \
-    for (int64_t i = tid; i < a->num_decodes; i += num_threads) {                                 \
+    for (int64_t i = tid; i < a->num_requests; i += num_threads) {                                 \
         const int req = a->req_indices[i];                                                         \
         const int seq_len = a->seq_lens[req];                                                      \
         const int32_t *blocks = a->block_table + req * a->stride_bt;                               \
@@ -292,34 +278,38 @@ static void NAME(const struct kvrail_decode_attention_args *a, int tid, int num_
             }                                                                                      \
             inv[h] = seq_len > 0 ? a->v_scale / sum : 0.0f;                                        \
         }                                                                                          \
-        /* Pass 2: per kv head and 16-wide slice of head_dim, V streams by once while the */      \
-        /* group's outputs accumulate in registers. */                                             \
+        /* Pass 2: per kv head, V streams by once while the outputs of up to HEADS_PER_PASS */  \
+        /* of its query heads accumulate in registers: heads x chunks independent sums, so */     \
+        /* the FMAs do not wait on each other. */                                                  \
         for (int g = 0; g < num_kv; g++)                                                           \
-            for (int h0 = g * group; h0 < (g + 1) * group; h0 += MAX_GROUP) {                      \
-                const int nh = (g + 1) * group - h0 < MAX_GROUP ? (g + 1) * group - h0 : MAX_GROUP; \
-                for (int c = 0; c < nc; c++) {                                                     \
-                    __m512 o[MAX_GROUP];                                                           \
-                    for (int j = 0; j < nh; j++) o[j] = _mm512_setzero_ps();                       \
-                    for (int t0 = 0; t0 < seq_len; t0 += block_size) {                             \
-                        const C *v = v_cache + (int64_t)blocks[t0 / block_size] * block_size      \
-                                     * stride_slot + g * hd + c * CHUNK;                           \
-                        const int n = seq_len - t0 < block_size ? seq_len - t0 : block_size;      \
-                        for (int i = 0; i < n; i++) {                                              \
-                            const __m512 vc = LOAD16(v + i * stride_slot);                         \
-                            for (int j = 0; j < nh; j++)                                           \
-                                o[j] = _mm512_fmadd_ps(                                            \
-                                    _mm512_set1_ps(scores[(h0 + j) * stride_s + t0 + i]), vc, o[j]); \
+            for (int h0 = g * group; h0 < (g + 1) * group; h0 += HEADS_PER_PASS) {                 \
+                const int left = (g + 1) * group - h0;                                             \
+                const int nh = left < HEADS_PER_PASS ? left : HEADS_PER_PASS;                      \
+                __m512 o[HEADS_PER_PASS][HEAD_DIM / CHUNK];                                        \
+                for (int j = 0; j < nh; j++)                                                       \
+                    for (int c = 0; c < nc; c++) o[j][c] = _mm512_setzero_ps();                    \
+                for (int t0 = 0; t0 < seq_len; t0 += block_size) {                                 \
+                    const C *v = v_cache + (int64_t)blocks[t0 / block_size] * block_size          \
+                                 * stride_slot + g * hd;                                           \
+                    const int n = seq_len - t0 < block_size ? seq_len - t0 : block_size;          \
+                    for (int i = 0; i < n; i++) {                                                  \
+                        __m512 vc[HEAD_DIM / CHUNK];                                               \
+                        for (int c = 0; c < nc; c++) vc[c] = LOAD16(v + i * stride_slot + c * CHUNK); \
+                        for (int j = 0; j < nh; j++) {                                             \
+                            const __m512 p = _mm512_set1_ps(scores[(h0 + j) * stride_s + t0 + i]); \
+                            for (int c = 0; c < nc; c++) o[j][c] = _mm512_fmadd_ps(p, vc[c], o[j][c]); \
                         }                                                                          \
                     }                                                                              \
-                    for (int j = 0; j < nh; j++) {                                                 \
+                }                                                                                  \
+                for (int j = 0; j < nh; j++)                                                       \
+                    for (int c = 0; c < nc; c++) {                                                 \
                         float res[CHUNK];                                                          \
-                        _mm512_storeu_ps(res, _mm512_mul_ps(o[j], _mm512_set1_ps(inv[h0 + j])));   \
+                        _mm512_storeu_ps(res, _mm512_mul_ps(o[j][c], _mm512_set1_ps(inv[h0 + j]))); \
                         for (int d = 0; d < CHUNK; d++)                                            \
                             store_float(a->out, (int)a->q_dtype,                                   \
                                         row * num_heads * hd + (h0 + j) * hd + c * CHUNK + d,      \
                                         res[d]);                                                   \
                     }                                                                              \
-                }                                                                                  \
             }                                                                                      \
     }                                                                                              \
     free(scores);                                                                                  \
@@ -331,7 +321,7 @@ static void NAME(const struct kvrail_decode_attention_args *a, int tid, int num_
 #define DEFINE_AVX512_HEAD_SIZES(NAME, T, LOAD_Q, C, LOAD16)                                      \
 DEFINE_DECODE_AVX512(NAME##_64, T, LOAD_Q, C, LOAD16, 64)                                          \
 DEFINE_DECODE_AVX512(NAME##_128, T, LOAD_Q, C, LOAD16, 128)                                        \
-static int NAME(const struct kvrail_decode_attention_args *a, int tid, int num_threads) {         \
+static int NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {         \
     if (a->head_dim == 64)                                                                         \
         NAME##_64(a, tid, num_threads);                                                            \
     else if (a->head_dim == 128)                                                                   \
@@ -349,7 +339,7 @@ DEFINE_AVX512_HEAD_SIZES(decode_avx512_bf16_fp8, uint16_t, load_bf16, uint8_t, l
 
 /* Attend each of `req_indices` to its context. A cache in float holds q's dtype (the
  * launcher checks). */
-void kvrail_decode_attention(const struct kvrail_decode_attention_args *a, int tid,
+void kvrail_decode_attention(const struct kvrail_attention_args *a, int tid,
                              int num_threads) {
     const int bf16 = a->q_dtype == KVRAIL_BF16;
 #if defined(__AVX512F__)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels.cpu_runtime import dtype_code, launch, ptr
+from engine.kernels.cpu_runtime import dtype_code, empty, launch, ptr
 
 PANEL = 16  # output columns per packed panel
 KGROUP = 4  # consecutive k per 32-bit lane
@@ -141,13 +141,13 @@ def linear_w8a8(x: torch.Tensor, weight: PackedInt8Weight) -> torch.Tensor:
     """x `[M, K]` (float32 or bfloat16) -> `[M, N]` in x's dtype."""
     _check_activations(x, weight.in_features)
     num_tokens = x.shape[0]
-    out = torch.empty((num_tokens, weight.out_features), dtype=x.dtype)
+    out = empty((num_tokens, weight.out_features), x.dtype)
     if num_tokens == 0:
         return out
     num_panels, num_groups = weight.packed.shape[:2]
     k_padded = num_groups * KGROUP
-    x_q = torch.empty((num_tokens, k_padded), dtype=torch.uint8)
-    x_scale = torch.empty(num_tokens, dtype=torch.float32)
+    x_q = empty((num_tokens, k_padded), torch.uint8)
+    x_scale = empty((num_tokens,), torch.float32)
     quantize = QuantizeRowsArgs(
         x=x.data_ptr(),
         x_q=x_q.data_ptr(),
@@ -192,7 +192,7 @@ def linear_float(
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         raise ValueError("bias must be a contiguous float32 tensor")
     num_rows, in_features = weight.shape
-    out = torch.empty((x.shape[0], num_rows // 2 if silu_mul else num_rows), dtype=x.dtype)
+    out = empty((x.shape[0], num_rows // 2 if silu_mul else num_rows), x.dtype)
     if x.shape[0]:
         args = FloatLinearArgs(
             x=x.data_ptr(),

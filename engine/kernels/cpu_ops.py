@@ -8,7 +8,7 @@ import ctypes
 
 import torch
 
-from engine.kernels.cpu_runtime import dtype_code, launch, ptr
+from engine.kernels.cpu_runtime import dtype_code, empty, launch, ptr
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -47,7 +47,7 @@ WriteKvArgs = _struct(
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """ids `[T]` int64, weight `[vocab, hidden]` float -> `[T, hidden]` in `dtype`."""
-    out = torch.empty((ids.shape[0], weight.shape[1]), dtype=dtype)
+    out = empty((ids.shape[0], weight.shape[1]), dtype)
     args = EmbeddingArgs(
         ids=ids.data_ptr(),
         weight=weight.data_ptr(),
@@ -74,7 +74,7 @@ def embedding_int8(
     """Rows of an int8 LM head packed by `cpu_linear.pack_int8` (tied embeddings):
     `packed` `[panels, k_padded // 4, 16, 4]`, row_scale `[>= vocab]`, col_scale `[hidden]`
     (or None) multiplies each column."""
-    out = torch.empty((ids.shape[0], hidden), dtype=dtype)
+    out = empty((ids.shape[0], hidden), dtype)
     args = EmbeddingArgs(
         ids=ids.data_ptr(),
         weight=packed.data_ptr(),
@@ -100,8 +100,8 @@ def rms_norm(
     Inputs are not modified."""
     if x.stride(-1) != 1 or (residual is not None and x.dim() != 2):
         raise ValueError("x needs a contiguous last dimension; a residual needs a 2-D x")
-    out = torch.empty(x.shape, dtype=x.dtype)
-    residual_out = torch.empty_like(out) if residual is not None else None
+    out = empty(x.shape, x.dtype)
+    residual_out = empty(x.shape, x.dtype) if residual is not None else None
     args = RmsNormArgs(
         x=x.data_ptr(),
         residual=ptr(residual),
@@ -156,7 +156,7 @@ def rotary_embedding(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x `[T, 2 * I]` -> `[T, I]`; the last dimension of `x` must be contiguous."""
     num_tokens, width = x.shape
-    out = torch.empty((num_tokens, width // 2), dtype=x.dtype)
+    out = empty((num_tokens, width // 2), x.dtype)
     if num_tokens:
         args = SiluAndMulArgs(
             x=x.data_ptr(),

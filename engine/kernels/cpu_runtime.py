@@ -4,9 +4,12 @@ A team kernel (`cpu_common.h`) takes one argument struct, mirrored here by a cty
 Structure. `launch` runs it in a fresh OpenMP team. Inside `capture()`, every launch is also
 recorded, with the tensors its struct points to kept alive, into a `CpuGraph`; `replay()`
 then runs the whole list in one C call and one team, with a barrier after each kernel: the
-CPU's counterpart of a CUDA graph (engine/cpu_graphs.py uses it for decode steps). Like a
+CPU's counterpart of a CUDA graph (engine/decode_graphs.py uses it for decode steps). Like a
 CUDA graph, a replay reads and writes the captured addresses, so a capture may only launch
 kernels: any other tensor op would run once at capture and never again, and is refused.
+Kernels allocate their outputs with `empty`: in a capture they come from the capture's
+`CpuGraphPool`, whose memory graphs that never run at once share (as CUDA graphs share a
+memory pool).
 """
 
 from __future__ import annotations
@@ -73,6 +76,46 @@ class CpuGraph:
             library().kvrail_replay(self._array, len(self.nodes), torch.get_num_threads())
 
 
+class CpuGraphPool:
+    """Memory for the tensors that captures allocate, in chunks that never move. Each capture
+    starts again at the first chunk (`reset`), so graphs share it: only one runs at a time."""
+
+    CHUNK_BYTES = 16 << 20
+
+    def __init__(self) -> None:
+        self.chunks: list[torch.Tensor] = []
+        self.index = 0  # the chunk being filled
+        self.offset = 0  # bytes used in it
+
+    def reset(self) -> None:
+        self.index = self.offset = 0
+
+    def allocate(self, num_bytes: int) -> torch.Tensor:
+        """`num_bytes` (rounded up to 64: cache lines, AVX-512 loads) as a uint8 tensor."""
+        num_bytes = -(-num_bytes // 64) * 64
+        while True:
+            if self.index == len(self.chunks):
+                self.chunks.append(
+                    torch.empty(max(self.CHUNK_BYTES, num_bytes) + 64, dtype=torch.uint8)
+                )
+            chunk = self.chunks[self.index]
+            start = -(-(chunk.data_ptr() + self.offset) // 64) * 64 - chunk.data_ptr()
+            if start + num_bytes <= chunk.numel():
+                self.offset = start + num_bytes
+                return chunk[start : start + num_bytes]
+            self.index, self.offset = self.index + 1, 0
+
+
+def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor for a kernel's output: from the capture's pool while
+    capturing, else a plain allocation."""
+    pool = getattr(_state, "pool", None)
+    if pool is None:
+        return torch.empty(shape, dtype=dtype)
+    num_bytes = dtype.itemsize * int(torch.Size(shape).numel())
+    return pool.allocate(num_bytes)[:num_bytes].view(dtype).view(shape)
+
+
 # Ops that only allocate or make views: everything a captured forward may do besides launching.
 _CAPTURE_SAFE_OPS = {
     "empty",
@@ -109,16 +152,21 @@ class _OnlyKernels(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def capture() -> Iterator[CpuGraph]:
-    """Record the kernels launched (and run) in this block on this thread into a graph."""
+def capture(pool: CpuGraphPool | None = None) -> Iterator[CpuGraph]:
+    """Record the kernels launched (and run) in this block on this thread into a graph; the
+    tensors they allocate come from `pool` (reset first) or, without one, a private pool."""
     if getattr(_state, "graph", None) is not None:
         raise RuntimeError("CPU graph captures do not nest")
+    pool = pool or CpuGraphPool()
+    pool.reset()
     graph = _state.graph = CpuGraph()
+    _state.pool = pool
+    graph.keep.append(pool)
     try:
         with _OnlyKernels():
             yield graph
     finally:
-        _state.graph = None
+        _state.graph = _state.pool = None
 
 
 # Below this many elements of work a kernel runs on one thread (torch's grain size): waking

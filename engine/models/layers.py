@@ -63,6 +63,9 @@ class LinearMethod:
     name = "unquantized"
     # The dtype the checkpoint is loaded in (None: the model's dtype).
     load_dtype: torch.dtype | None = None
+    # Steps of at most this many tokens run only C kernels on the CPU (a CPU graph can record
+    # them); above it, torch's matmul.
+    cpu_graph_max_tokens = CPU_FLOAT_KERNEL_MAX_TOKENS
 
     def __init__(self, kernels: ModelKernels | None) -> None:
         self.kernels = kernels

@@ -56,7 +56,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         rope_type = config.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
-            head_dim = _head_dim(config)
+            head_dim = head_dim_of(config)
             theta = config.rope_parameters["rope_theta"]
             inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
             attention_scaling = 1.0
@@ -109,7 +109,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = _head_dim(config)
+        self.head_dim = head_dim_of(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
@@ -357,5 +357,5 @@ def _fused_name(name: str) -> tuple[str, str | None]:
     return name, None
 
 
-def _head_dim(config: PretrainedConfig) -> int:
+def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

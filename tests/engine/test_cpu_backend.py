@@ -1,5 +1,5 @@
-"""The `cpu` attention backend: its C decode kernel against the reference the Triton kernel
-shares, the engine's tokens against the torch backend, and how `auto` picks it."""
+"""The `cpu` attention backend: its C decode and prompt kernels against the references the
+Triton kernels share, the engine's tokens against the torch backend, and how `auto` picks it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention import FP8_DTYPE, default_attn_backend
-from engine.kernels.cpu_decode_attention import paged_decode_attention
+from engine.kernels.cpu_attention import paged_decode_attention, paged_prefill_attention
 from engine.kernels.decode_attention import decode_attention_ref
+from engine.kernels.prefill_attention import prefill_attention_ref
 from tests.engine.test_kernels import (
     E4M3_GRID,
     FP8_SCALES,
@@ -17,6 +18,7 @@ from tests.engine.test_kernels import (
     check_decode_writes_only_selected_rows,
     decode_inputs,
     paged_cache,
+    prefill_inputs,
     to_fp8,
 )
 from tests.engine.tiny_models import make_tiny_model
@@ -84,6 +86,49 @@ def test_kernel_writes_only_the_selected_requests_rows():
     check_decode_writes_only_selected_rows(paged_decode_attention)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads", [(8, 4, 4), (16, 6, 2), (32, 9, 3)])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])
+def test_prefill_kernel_matches_reference(dtype, block_size, num_heads, num_kv_heads, head_dim):
+    """Fresh prompts longer than a tile of 16, chunks over cached context ending mid-block, an
+    empty and a one-token query, a prefix hit on a block edge (`prefill_inputs`)."""
+    q, k_cache, v_cache, block_table, query_start_loc, seq_lens = prefill_inputs(
+        block_size, num_heads, num_kv_heads, dtype, head_dim=head_dim
+    )
+    out = torch.full_like(q, float("nan"))
+    every_request = torch.arange(len(seq_lens), dtype=torch.int32)
+    paged_prefill_attention(
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, every_request, 0.3, out
+    )
+    expected = prefill_attention_ref(
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, 0.3
+    )
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # q and out
+def test_prefill_kernel_reads_fp8_cache_and_only_selected_rows(dtype):
+    q, k_cache, v_cache, block_table, query_start_loc, seq_lens = prefill_inputs(
+        16, 6, 2, torch.float32, head_dim=64
+    )
+    k_cache, v_cache = to_fp8(k_cache, v_cache)
+    q = q.to(dtype)
+    out = torch.zeros_like(q)
+    selected = torch.tensor([0, 3], dtype=torch.int32)
+    paged_prefill_attention(
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, selected, 0.3, out,
+        **FP8_SCALES,
+    )  # fmt: skip
+    expected = prefill_attention_ref(
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, 0.3, **FP8_SCALES
+    )
+    rows = torch.zeros(q.shape[0], dtype=torch.bool)
+    for r in selected.tolist():
+        rows[query_start_loc[r] : query_start_loc[r + 1]] = True
+    torch.testing.assert_close(out[rows].float(), expected[rows], **TOL[dtype])
+    assert not out[~rows].any(), "rows of other requests must not be written"
+
+
 def test_kernel_rejects_what_it_cannot_read():
     seq_lens = torch.tensor([5], dtype=torch.int32)
     k_cache, v_cache, block_table = paged_cache([5], 8, 2, torch.float32)
@@ -113,11 +158,12 @@ def test_kernel_rejects_what_it_cannot_read():
 
 def test_auto_picks_the_kernel_only_where_it_can_build(monkeypatch):
     cpu = torch.device("cpu")
-    assert default_attn_backend(cpu, torch.float32) == "cpu"
-    assert default_attn_backend(cpu, torch.bfloat16) == "cpu"
-    assert default_attn_backend(cpu, torch.float16) == "torch"
+    assert default_attn_backend(cpu, torch.float32, 64) == "cpu"
+    assert default_attn_backend(cpu, torch.bfloat16, 128) == "cpu"
+    assert default_attn_backend(cpu, torch.float16, 64) == "torch"
+    assert default_attn_backend(cpu, torch.float32, 72) == "torch"  # not whole vectors of 16
     monkeypatch.setenv("CC", "no-such-compiler")
-    assert default_attn_backend(cpu, torch.float32) == "torch"
+    assert default_attn_backend(cpu, torch.float32, 64) == "torch"
 
 
 def test_engine_greedy_tokens_match_torch_backend(tmp_path):

@@ -151,7 +151,7 @@ PREFILL_CASES = [
 ]
 
 
-def prefill_inputs(block_size, num_heads, num_kv_heads, dtype):
+def prefill_inputs(block_size, num_heads, num_kv_heads, dtype, head_dim=HEAD_DIM):
     """(num_computed_tokens, query_len): a fresh prompt longer than one query tile, chunked
     prefill over cached context ending mid-block, an empty query, a one-token query, a
     prefix-cache hit starting on a block edge."""
@@ -160,8 +160,10 @@ def prefill_inputs(block_size, num_heads, num_kv_heads, dtype):
     query_lens = torch.tensor([n for _, n in reqs])
     query_start_loc = torch.zeros(len(reqs) + 1, dtype=torch.int32)
     query_start_loc[1:] = query_lens.cumsum(0)
-    k_cache, v_cache, block_table = paged_cache(seq_lens.tolist(), block_size, num_kv_heads, dtype)
-    q = torch.randn(int(query_lens.sum()), num_heads, HEAD_DIM).to(dtype)
+    k_cache, v_cache, block_table = paged_cache(
+        seq_lens.tolist(), block_size, num_kv_heads, dtype, head_dim=head_dim
+    )
+    q = torch.randn(int(query_lens.sum()), num_heads, head_dim).to(dtype)
     return q, k_cache, v_cache, block_table, query_start_loc, seq_lens
 
 
