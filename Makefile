@@ -51,8 +51,12 @@ bench: $(BENCH_STAMP)
 		--num-requests 24 --input-len 64:256 --output-len 16:48 --num-kv-blocks 96 \
 		--max-model-len 512
 	$(PY) -m benchmarks.idle_latency -n 20
+	$(PY) -m benchmarks.latency --rounds 1 --prompt-len 64 --output-len 64 \
+		--systems kvrail,kvrail-int8,hf,llama.cpp
+	$(PY) -m benchmarks.quality --max-tokens 4096 --num-prompts 8
 
-# On a CUDA machine, with its own python3 (no venv): kernels, parity vs HF, throughput.
+# On a CUDA machine, with its own python3 (no venv): kernels vs references, int8/fp8 linears,
+# parity vs HF, throughput, the fp8 KV cache and the quantized engine.
 # Results in $(OUT) or benchmarks/results/; GPU_CHECK_ARGS=--quick for a shorter run.
 .PHONY: gpu-check
 gpu-check:

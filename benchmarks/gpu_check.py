@@ -170,8 +170,9 @@ def make_random_model(path: Path, model: dict, device: torch.device) -> Path:
 
 
 def weight_bytes(llm) -> int:
-    model = llm.llm_engine.engine_core.model_runner.model
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    from benchmarks.latency import weight_bytes as model_weight_bytes
+
+    return model_weight_bytes(llm.llm_engine.engine_core.model_runner.model)
 
 
 def _rel_err(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -595,6 +596,65 @@ def check_fp8_kv(scale: Scale, device: torch.device, workdir: Path) -> dict:
     return results
 
 
+QUANTIZED_CONFIGS = {
+    "default": {},
+    "int8": {"quantization": "int8"},
+    "fp8": {"quantization": "fp8"},
+    "fp8_kv": {"kv_cache_dtype": "fp8"},
+}
+
+
+def check_quantized_engine(scale: Scale, device: torch.device, workdir: Path) -> dict:
+    """The engine with int8 and fp8 weights and with an fp8 KV cache, against its default on
+    a quarter of the throughput workload (outputs up to 64 tokens): output tok/s, weight
+    bytes, and how many of 8 prompts keep the default's first 16 greedy tokens (random
+    weights: near-ties make some differ). A configuration the GPU cannot run records why."""
+    from engine import LLM, SamplingParams
+
+    path = make_random_model(workdir / "model", scale.model, device)
+    prompts, output_lens = nano_vllm_workload(
+        max(scale.num_seqs // 4, 2), scale.min_len, scale.max_len, scale.model["vocab_size"]
+    )
+    params = [SamplingParams(temperature=0.0, max_tokens=min(n, 64), ignore_eos=True)
+              for n in output_lens]  # fmt: skip
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    results: dict = {}
+    for name, options in QUANTIZED_CONFIGS.items():
+        try:
+            llm = LLM(
+                str(path),
+                attention_backend="triton" if device.type == "cuda" else "torch",
+                device=device.type,
+                max_num_seqs=256,
+                max_model_len=2 * scale.max_len + 16,
+                **options,
+            )
+        except ValueError as e:  # refused at startup: fp8 on a GPU without it, or a CPU
+            results[name] = dict(skipped=str(e))
+            continue
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts[:8], greedy)]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
+        num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
+        results[name] = dict(
+            output_tok_s=num_output / seconds, weight_bytes=weight_bytes(llm), tokens=tokens
+        )
+        del llm
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    base = results["default"]
+    for r in results.values():
+        if "tokens" in r:
+            pairs = zip(r["tokens"], base["tokens"], strict=True)
+            r["same_16_tokens"] = sum(a == b for a, b in pairs)
+            r["tok_s_vs_default"] = r["output_tok_s"] / base["output_tok_s"]
+            r["weight_bytes_vs_default"] = r["weight_bytes"] / base["weight_bytes"]
+    for r in results.values():
+        r.pop("tokens", None)
+    return results
+
+
 def check_throughput(scale: Scale, device: torch.device, workdir: Path) -> dict:
     """nano-vllm's offline workload on the engine, HF `generate` on a seeded subset, and
     decode step time at a large batch against its bandwidth limit."""
@@ -702,6 +762,7 @@ SECTIONS = {
     "parity": check_parity,
     "throughput": check_throughput,
     "fp8_kv": check_fp8_kv,
+    "quantized_engine": check_quantized_engine,
 }
 TARGETS = [
     (
@@ -717,6 +778,18 @@ TARGETS = [
     ("fp8 KV write == torch's conversion", ("fp8_kv", "kv_cache_write", "exact"), "==", True),
     ("fp8 KV decode vs reference", ("fp8_kv", "decode_attention", "rel_err"), "<=", 1e-2),
     ("fp8 KV greedy tokens, triton == torch backend", ("fp8_kv", "engine", "passed"), "==", True),
+    (
+        "int8 engine weight bytes / bf16",
+        ("quantized_engine", "int8", "weight_bytes_vs_default"),
+        "<=",
+        0.55,
+    ),
+    (
+        "int8 engine output tok/s / bf16",
+        ("quantized_engine", "int8", "tok_s_vs_default"),
+        ">=",
+        1.0,
+    ),
 ]
 
 
