@@ -329,20 +329,29 @@ def round_ratios(service: dict[str, Any], other: dict[str, Any]) -> list[float]:
     ]
 
 
+def throughput_row(
+    service: dict[str, Any], other: dict[str, Any], target: float, as_percent: bool
+) -> list[str]:
+    """Output tok/s of both sides (rounds pooled) and the median round's ratio, judged."""
+    ratio = statistics.median(round_ratios(service, other))
+    shown, goal = (
+        (f"{ratio:.1%}", f">= {target:.0%}") if as_percent else (f"{ratio:.2f}x", f">= {target:g}x")
+    )
+    return [
+        "output tok/s",
+        fmt(service["load"]["output_throughput"]),
+        fmt(other["load"]["output_throughput"]),
+        shown,
+        goal,
+        verdict(ratio, target),
+    ]
+
+
 def comparison_rows(service: dict[str, Any], offline: dict[str, Any]) -> list[list[str]]:
-    """Service against offline: the median over rounds of the output throughput ratio, and
-    the idle TTFT difference."""
-    ratio = statistics.median(round_ratios(service, offline))
+    """Service against offline: the output throughput ratio, and the idle TTFT difference."""
     ttft_gap = service["idle"]["median_ms"] - offline["idle"]["median_ms"]
     return [
-        [
-            "output tok/s",
-            fmt(service["load"]["output_throughput"]),
-            fmt(offline["load"]["output_throughput"]),
-            f"{ratio:.1%}",
-            f">= {THROUGHPUT_TARGET:.0%}",
-            verdict(ratio, THROUGHPUT_TARGET),
-        ],
+        throughput_row(service, offline, THROUGHPUT_TARGET, as_percent=True),
         [
             "idle TTFT median (ms)",
             fmt(service["idle"]["median_ms"]),
@@ -355,19 +364,11 @@ def comparison_rows(service: dict[str, Any], offline: dict[str, Any]) -> list[li
 
 
 def peer_rows(service: dict[str, Any], peer: dict[str, Any]) -> list[list[str]]:
-    """kvrail against the peer server: the median round's output throughput ratio, and
-    kvrail's TTFT p99 against the peer's median (pooled over rounds)."""
-    ratio = statistics.median(round_ratios(service, peer))
+    """kvrail against the peer server: the output throughput ratio, and kvrail's TTFT p99
+    against the peer's median (pooled over rounds)."""
     p99, peer_median = service["load"]["ttft"]["p99_ms"], peer["load"]["ttft"]["median_ms"]
     return [
-        [
-            "output tok/s",
-            fmt(service["load"]["output_throughput"]),
-            fmt(peer["load"]["output_throughput"]),
-            f"{ratio:.2f}x",
-            f">= {PEER_THROUGHPUT_TARGET:g}x",
-            verdict(ratio, PEER_THROUGHPUT_TARGET),
-        ],
+        throughput_row(service, peer, PEER_THROUGHPUT_TARGET, as_percent=False),
         [
             "kvrail TTFT p99 vs peer TTFT median (ms)",
             fmt(p99),

@@ -24,20 +24,14 @@
 
 #include "cpu_common.h"
 
-static inline float load_f32(const float *p) { return *p; }
-static inline float load_bf16(const uint16_t *p) { return bf16_to_f32(*p); }
-
-/* e4m3 -> fp32, exact: its 7 magnitude bits moved into fp32's exponent and mantissa give the
- * value times 2^-120 (e4m3 subnormals become fp32 subnormals, which the multiply brings back:
- * exact as long as subnormals are not flushed, which this library never asks for). Integer
- * ops and one multiply, so the loops stay vectorized (measured, 48 sequences of 4096 tokens
- * on one thread: 8% faster than reading bf16; a per-element F16C conversion: 7x slower). */
-static inline float load_e4m3(const uint8_t *p) {
-    const uint32_t x = *p;
-    const uint32_t bits = ((x & 0x80u) << 24) | ((x & 0x7fu) << 20);
-    float scaled;
-    memcpy(&scaled, &bits, sizeof scaled);
-    return scaled * 0x1p120f;
+/* The longest context among the requests attended: the per-thread score buffers' size. */
+static int longest_context(const struct kvrail_attention_args *a) {
+    int longest = 0;
+    for (int64_t i = 0; i < a->num_requests; i++) {
+        const int len = a->seq_lens[a->req_indices[i]];
+        longest = len > longest ? len : longest;
+    }
+    return longest;
 }
 
 /* Blocks sit anywhere in the pool, and the hardware prefetcher, which follows sequential
@@ -60,11 +54,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int64_t stride_slot = a->num_kv_heads * hd;                                              \
     const int64_t block_bytes = block_size * stride_slot * (int64_t)sizeof(C);                     \
     const float q_scale = a->scale * a->k_scale;                                                   \
-    int max_seq_len = 0;                                                                           \
-    for (int64_t i = 0; i < a->num_requests; i++) {                                                 \
-        const int len = a->seq_lens[a->req_indices[i]];                                            \
-        max_seq_len = len > max_seq_len ? len : max_seq_len;                                       \
-    }                                                                                              \
+    const int max_seq_len = longest_context(a);                                                    \
     /* Per thread: scores [num_heads][max_seq_len] (+1: never a zero-size malloc), q and acc  */  \
     /* [num_heads][head_dim], each head's softmax sum. */                                         \
     float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)(max_seq_len + 1));        \
@@ -143,25 +133,10 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     free(sums);                                                                                    \
 }
 
-/* Instances for the common head sizes, where the compiler sees a constant vector length
- * (fully unrolled inner loops, no remainder), and one for any other size. */
-#define DEFINE_HEAD_SIZES(NAME, T, LOAD_Q, C, LOAD_C)                                              \
-DEFINE_DECODE(NAME##_64, T, LOAD_Q, C, LOAD_C, 64)                                                 \
-DEFINE_DECODE(NAME##_128, T, LOAD_Q, C, LOAD_C, 128)                                               \
-DEFINE_DECODE(NAME##_any, T, LOAD_Q, C, LOAD_C, 0)                                                 \
-static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {        \
-    if (a->head_dim == 64)                                                                         \
-        NAME##_64(a, tid, num_threads);                                                            \
-    else if (a->head_dim == 128)                                                                   \
-        NAME##_128(a, tid, num_threads);                                                           \
-    else                                                                                           \
-        NAME##_any(a, tid, num_threads);                                                           \
-}
-
-DEFINE_HEAD_SIZES(decode_f32, float, load_f32, float, load_f32)
-DEFINE_HEAD_SIZES(decode_bf16, uint16_t, load_bf16, uint16_t, load_bf16)
-DEFINE_HEAD_SIZES(decode_f32_fp8, float, load_f32, uint8_t, load_e4m3)
-DEFINE_HEAD_SIZES(decode_bf16_fp8, uint16_t, load_bf16, uint8_t, load_e4m3)
+DEFINE_HEAD_DIM_INSTANCES(DEFINE_DECODE, decode_f32, float, load_f32, float, load_f32)
+DEFINE_HEAD_DIM_INSTANCES(DEFINE_DECODE, decode_bf16, uint16_t, load_bf16, uint16_t, load_bf16)
+DEFINE_HEAD_DIM_INSTANCES(DEFINE_DECODE, decode_f32_fp8, float, load_f32, uint8_t, load_e4m3)
+DEFINE_HEAD_DIM_INSTANCES(DEFINE_DECODE, decode_bf16_fp8, uint16_t, load_bf16, uint8_t, load_e4m3)
 
 #if defined(__AVX512F__)
 /* The AVX-512 path, for head sizes 64 and 128 (others take the portable one): K and V are
@@ -218,11 +193,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int64_t stride_slot = (int64_t)num_kv * hd;                                              \
     const int64_t block_bytes = block_size * stride_slot * (int64_t)sizeof(C);                     \
     const float q_scale = a->scale * a->k_scale;                                                   \
-    int max_seq_len = 0;                                                                           \
-    for (int64_t i = 0; i < a->num_requests; i++) {                                                 \
-        const int len = a->seq_lens[a->req_indices[i]];                                            \
-        max_seq_len = len > max_seq_len ? len : max_seq_len;                                       \
-    }                                                                                              \
+    const int max_seq_len = longest_context(a);                                                    \
     /* Per thread: scores [num_heads][padded length], q, and each head's 16 partial dots. */     \
     const int64_t stride_s = (max_seq_len + CHUNK - 1) / CHUNK * CHUNK + CHUNK;                    \
     float *scores = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * stride_s));             \

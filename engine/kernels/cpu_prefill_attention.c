@@ -29,16 +29,6 @@
 typedef float v16 __attribute__((vector_size(64), aligned(64)));
 #define MAX_CHUNKS 16 /* head_dim <= 256 */
 
-static inline float load_f32c(const float *p) { return *p; }
-static inline float load_bf16c(const uint16_t *p) { return bf16_to_f32(*p); }
-static inline float load_e4m3c(const uint8_t *p) { /* as cpu_decode_attention.c's load_e4m3 */
-    const uint32_t x = *p;
-    const uint32_t bits = ((x & 0x80u) << 24) | ((x & 0x7fu) << 20);
-    float scaled;
-    memcpy(&scaled, &bits, sizeof scaled);
-    return scaled * 0x1p120f;
-}
-
 #define DEFINE_PREFILL(NAME, T, LOAD_Q, C, LOAD_C, HEAD_DIM)                                       \
 static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {       \
     const T *q = a->q;                                                                             \
@@ -155,24 +145,11 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     free(l);                                                                                       \
 }
 
-/* Head sizes 64 and 128 get instances with constant loop lengths; any other size, one more. */
-#define DEFINE_PREFILL_HEAD_SIZES(NAME, T, LOAD_Q, C, LOAD_C)                                      \
-DEFINE_PREFILL(NAME##_64, T, LOAD_Q, C, LOAD_C, 64)                                                \
-DEFINE_PREFILL(NAME##_128, T, LOAD_Q, C, LOAD_C, 128)                                              \
-DEFINE_PREFILL(NAME##_any, T, LOAD_Q, C, LOAD_C, 0)                                                \
-static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {       \
-    if (a->head_dim == 64)                                                                         \
-        NAME##_64(a, tid, num_threads);                                                            \
-    else if (a->head_dim == 128)                                                                   \
-        NAME##_128(a, tid, num_threads);                                                           \
-    else                                                                                           \
-        NAME##_any(a, tid, num_threads);                                                           \
-}
-
-DEFINE_PREFILL_HEAD_SIZES(prefill_f32, float, load_f32c, float, load_f32c)
-DEFINE_PREFILL_HEAD_SIZES(prefill_bf16, uint16_t, load_bf16c, uint16_t, load_bf16c)
-DEFINE_PREFILL_HEAD_SIZES(prefill_f32_fp8, float, load_f32c, uint8_t, load_e4m3c)
-DEFINE_PREFILL_HEAD_SIZES(prefill_bf16_fp8, uint16_t, load_bf16c, uint8_t, load_e4m3c)
+DEFINE_HEAD_DIM_INSTANCES(DEFINE_PREFILL, prefill_f32, float, load_f32, float, load_f32)
+DEFINE_HEAD_DIM_INSTANCES(DEFINE_PREFILL, prefill_bf16, uint16_t, load_bf16, uint16_t, load_bf16)
+DEFINE_HEAD_DIM_INSTANCES(DEFINE_PREFILL, prefill_f32_fp8, float, load_f32, uint8_t, load_e4m3)
+DEFINE_HEAD_DIM_INSTANCES(DEFINE_PREFILL, prefill_bf16_fp8, uint16_t, load_bf16, uint8_t,
+                          load_e4m3)
 
 /* A cache in float holds q's dtype (the launcher checks). */
 void kvrail_prefill_attention(const struct kvrail_attention_args *a, int tid,

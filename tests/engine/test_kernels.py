@@ -98,28 +98,24 @@ def check_decode_writes_only_selected_rows(attend):
     assert not out[1:4].any(), "rows of other requests must not be written"
 
 
-@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,num_splits,dtype", DECODE_CASES)
-def test_decode_attention(block_size, num_heads, num_kv_heads, num_splits, dtype):
-    q, k_cache, v_cache, block_table, query_start_loc, seq_lens = decode_inputs(
-        block_size, num_heads, num_kv_heads, dtype
-    )
+def check_decode(inputs, dtype, num_splits, scales=None):
+    """The Triton decode kernel on `decode_inputs` against the reference (with fp8 scales)."""
+    q, k_cache, v_cache, block_table, query_start_loc, seq_lens = inputs
+    scales = scales or {}
     out = torch.full_like(q, float("nan"))
     decode_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        query_start_loc,
-        seq_lens,
-        0.3,
-        out,
-        num_decodes=len(seq_lens),
-        num_splits=num_splits,
-        block_n=16,
-    )
-    expected = decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, 0.3)
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, 0.3, out,
+        num_decodes=len(seq_lens), num_splits=num_splits, block_n=16, **scales,
+    )  # fmt: skip
+    expected = decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, 0.3, **scales)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
     assert not out[3].any(), "an empty context must give zeros, not NaN"
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,num_splits,dtype", DECODE_CASES)
+def test_decode_attention(block_size, num_heads, num_kv_heads, num_splits, dtype):
+    inputs = decode_inputs(block_size, num_heads, num_kv_heads, dtype)
+    check_decode(inputs, dtype, num_splits)
 
 
 def test_decode_attention_selected_requests_of_mixed_batch():
@@ -167,30 +163,26 @@ def prefill_inputs(block_size, num_heads, num_kv_heads, dtype, head_dim=HEAD_DIM
     return q, k_cache, v_cache, block_table, query_start_loc, seq_lens
 
 
-@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,dtype", PREFILL_CASES)
-def test_prefill_attention(block_size, num_heads, num_kv_heads, dtype):
-    q, k_cache, v_cache, block_table, query_start_loc, seq_lens = prefill_inputs(
-        block_size, num_heads, num_kv_heads, dtype
-    )
+def check_prefill(inputs, dtype, scales=None):
+    """The Triton prefill kernel on `prefill_inputs` against the reference (fp8 scales)."""
+    q, k_cache, v_cache, block_table, query_start_loc, seq_lens = inputs
+    scales = scales or {}
     out = torch.full_like(q, float("nan"))
     prefill_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        query_start_loc,
-        seq_lens,
-        0.3,
-        out,
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, 0.3, out,
         num_prefills=len(seq_lens),
         max_query_len=int((query_start_loc[1:] - query_start_loc[:-1]).max()),
-        block_m=16,
-        block_n=16,
-    )
+        block_m=16, block_n=16, **scales,
+    )  # fmt: skip
     expected = prefill_attention_ref(
-        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, 0.3
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, 0.3, **scales
     )
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads,dtype", PREFILL_CASES)
+def test_prefill_attention(block_size, num_heads, num_kv_heads, dtype):
+    check_prefill(prefill_inputs(block_size, num_heads, num_kv_heads, dtype), dtype)
 
 
 def test_prefill_attention_selected_requests():
@@ -289,25 +281,8 @@ def test_decode_attention_fp8_cache(dtype, num_splits):
         8, 8, 2, torch.float32
     )
     k_cache, v_cache = to_fp8(k_cache, v_cache)
-    q = q.to(dtype)
-    out = torch.full_like(q, float("nan"))
-    decode_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        query_start_loc,
-        seq_lens,
-        0.3,
-        out,
-        num_decodes=len(seq_lens),
-        num_splits=num_splits,
-        block_n=16,
-        **FP8_SCALES,
-    )
-    expected = decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, 0.3, **FP8_SCALES)
-    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
-    assert not out[3].any(), "an empty context must give zeros, not NaN"
+    inputs = (q.to(dtype), k_cache, v_cache, block_table, query_start_loc, seq_lens)
+    check_decode(inputs, dtype, num_splits, FP8_SCALES)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -316,27 +291,8 @@ def test_prefill_attention_fp8_cache(dtype):
         8, 8, 2, torch.float32
     )
     k_cache, v_cache = to_fp8(k_cache, v_cache)
-    q = q.to(dtype)
-    out = torch.full_like(q, float("nan"))
-    prefill_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_table,
-        query_start_loc,
-        seq_lens,
-        0.3,
-        out,
-        num_prefills=len(seq_lens),
-        max_query_len=int((query_start_loc[1:] - query_start_loc[:-1]).max()),
-        block_m=16,
-        block_n=16,
-        **FP8_SCALES,
-    )
-    expected = prefill_attention_ref(
-        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, 0.3, **FP8_SCALES
-    )
-    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+    inputs = (q.to(dtype), k_cache, v_cache, block_table, query_start_loc, seq_lens)
+    check_prefill(inputs, dtype, FP8_SCALES)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import pytest_asyncio
 
-from engine import LLM, LLMEngine, SamplingParams
+from engine import LLM, SamplingParams
 from queueing import streams
 from queueing.schema import (
     MAX_MESSAGE_BYTES,
@@ -19,9 +19,9 @@ from queueing.schema import (
     keys,
 )
 from service.api import create_app
-from tests.engine.tiny_models import make_tiny_model
+from tests.service.conftest import ENGINE_KWARGS
 from tests.service.test_api import Api, assert_error, parse_sse
-from tests.service.test_worker import ENGINE_KWARGS, GREEDY, PROMPT, read_chunks, serving, submit
+from tests.service.test_worker import GREEDY, PROMPT, read_chunks, serving, submit
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,25 +29,8 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama"))
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    return LLMEngine.from_kwargs(model=model_dir, **ENGINE_KWARGS)
-
-
-@pytest.fixture(scope="module")
 def offline(model_dir):
     return LLM(model=model_dir, **ENGINE_KWARGS)
-
-
-@pytest_asyncio.fixture
-async def redis(redis_url):
-    r = streams.connect(redis_url)
-    yield r
-    await r.aclose()
 
 
 @pytest_asyncio.fixture

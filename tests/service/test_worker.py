@@ -13,7 +13,6 @@ import time
 
 import msgpack
 import pytest
-import pytest_asyncio
 
 from engine import LLM, LLMEngine, SamplingParams
 from queueing import streams
@@ -21,26 +20,12 @@ from queueing.schema import Abort, GenerateRequest, TokenChunk, WorkerInfo, keys
 from service import metrics
 from service.engine_thread import load_engine
 from service.worker import Worker
-from tests.engine.tiny_models import make_tiny_model
+from tests.service.conftest import ENGINE_KWARGS
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
-ENGINE_KWARGS = dict(
-    dtype="float32", max_model_len=512, block_size=16, num_kv_blocks=128, max_num_seqs=16
-)
 PROMPT = "The quick brown fox jumps over the lazy dog."
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama"))
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    """One engine shared by the module's workers, one worker at a time."""
-    return LLMEngine.from_kwargs(model=model_dir, **ENGINE_KWARGS)
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +39,6 @@ def reference(model_dir):
 
     generate.llm = llm
     return generate
-
-
-@pytest_asyncio.fixture
-async def redis(redis_url):
-    r = streams.connect(redis_url)
-    yield r
-    await r.aclose()
 
 
 @contextlib.asynccontextmanager
