@@ -34,12 +34,18 @@ def test_kernel_matches_reference(dtype, block_size, num_heads, num_kv_heads, he
     q, k_cache, v_cache, block_table, query_start_loc, seq_lens = decode_inputs(
         block_size, num_heads, num_kv_heads, dtype, long_blocks=5, head_dim=head_dim
     )
+    expected = decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, 0.3)
+    # Slots no context reaches may hold anything: NaN there must not leak into the output.
+    used = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for blocks, seq_len in zip(block_table.tolist(), seq_lens.tolist()):
+        for t in range(seq_len):
+            used[blocks[t // block_size], t % block_size] = True
+    k_cache[~used], v_cache[~used] = float("nan"), float("nan")
     out = torch.full_like(q, float("nan"))
     every_request = torch.arange(len(seq_lens), dtype=torch.int32)
     paged_decode_attention(
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens, every_request, 0.3, out
     )
-    expected = decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, 0.3)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
     assert not out[3].any(), "an empty context must give zeros, not NaN"
 
@@ -63,23 +69,25 @@ def test_kernel_reads_fp8_cache(dtype, head_dim):
     assert not out[3].any(), "an empty context must give zeros, not NaN"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: AVX512-BF16's table
 @pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
-def test_kernel_decodes_every_e4m3_value_exactly(head_dim):
-    """A one-token context: softmax weight 1, so the fp32 output is the cached V row as the
-    kernel decodes it, times v_scale (exact: 0.75 has two significant bits)."""
+def test_kernel_decodes_every_e4m3_value_exactly(dtype, head_dim):
+    """A one-token context: softmax weight 1, so the output is the cached V row as the kernel
+    decodes it, times v_scale (exact even in bf16: 0.75 times an e4m3 value has at most 5
+    significant bits)."""
     num_heads = 256 // head_dim
     values = torch.cat([E4M3_GRID, torch.zeros(2)])  # the 254 finite values (incl. subnormals)
     v_cache = torch.zeros(1, 8, num_heads, head_dim, dtype=FP8_DTYPE)
     v_cache[0, 0] = values.view(num_heads, head_dim).to(FP8_DTYPE)
     k_cache = torch.zeros_like(v_cache)
-    q = torch.randn(1, num_heads, head_dim)
+    q = torch.randn(1, num_heads, head_dim, dtype=dtype)
     out = torch.empty_like(q)
     one = torch.zeros(1, dtype=torch.int32)
     paged_decode_attention(
         q, k_cache, v_cache, one.view(1, 1), torch.tensor([0, 1], dtype=torch.int32),
         one + 1, one, 1.0, out, k_scale=1.0, v_scale=0.75,
     )  # fmt: skip
-    assert torch.equal(out.flatten(), 0.75 * values)
+    assert torch.equal(out.flatten().float(), 0.75 * values)
 
 
 def test_kernel_writes_only_the_selected_requests_rows():
