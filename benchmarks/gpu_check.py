@@ -498,10 +498,13 @@ def check_fp8_kv(scale: Scale, device: torch.device, workdir: Path) -> dict:
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     slots = torch.randperm(num_blocks * block_size, device=device, generator=gen)[:rows]
     k, v = (x[0] * 0.5).to(dtype), (x[1] * 2.0).to(dtype)  # power-of-two scales keep the ties
-    kw.write_kv_cache_ref(k, v, ref_k, ref_v, slots, 0.5, 2.0)
-    kw.write_kv_cache(k, v, k_cache, v_cache, slots, 0.5, 2.0)
-    mismatches = int((k_cache.view(torch.uint8) != ref_k.view(torch.uint8)).sum())
-    mismatches += int((v_cache.view(torch.uint8) != ref_v.view(torch.uint8)).sum())
+    mismatches = 0
+    # Unshifted, then K stored less a per-channel shift (as calibration sets one).
+    for k_shift in (None, torch.randn(kv_heads, head_dim, generator=gen, device=device)):
+        kw.write_kv_cache_ref(k, v, ref_k, ref_v, slots, 0.5, 2.0, k_shift)
+        kw.write_kv_cache(k, v, k_cache, v_cache, slots, 0.5, 2.0, k_shift)
+        mismatches += int((k_cache.view(torch.uint8) != ref_k.view(torch.uint8)).sum())
+        mismatches += int((v_cache.view(torch.uint8) != ref_v.view(torch.uint8)).sum())
     results["kv_cache_write"] = dict(exact=mismatches == 0, mismatched_bytes=mismatches)
 
     # Decode and prefill: a bf16 cache and its fp8 copy (scales 2 * amax / 448, as calibrated).

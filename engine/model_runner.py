@@ -207,11 +207,15 @@ class ModelRunner:
         self, token_ids: list[int], cache_dtype: torch.dtype
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """The model over `token_ids` as fresh prompts, on a scratch KV cache in
-        `cache_dtype`: the final hidden states, and the cache it filled."""
+        `cache_dtype`: the final hidden states, and per layer the k and v it stored,
+        `[num_tokens, num_kv_heads, head_dim]` each, in token order."""
         positions, common, kv_caches = self._dummy_prefill(len(token_ids), cache_dtype)
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         with set_forward_context(self.attn_backend.build(common)):
-            return self.model(input_ids, positions), kv_caches
+            hidden_states = self.model(input_ids, positions)
+        slots = common.slot_mapping.long()
+        stored = [tuple(c.flatten(0, 1)[slots] for c in caches) for caches in kv_caches]
+        return hidden_states, stored
 
     def num_kv_blocks_for(self, memory_bytes: int) -> int:
         return memory_bytes // self.kv_cache_spec.bytes_per_block(self.block_size)
@@ -262,22 +266,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def calibrate_kv_scales(self, token_ids: list[int]) -> None:
-        """Static per-layer fp8 scales: run `token_ids` as a prompt over a scratch cache in
-        the model dtype, then set each attention layer's `k_scale` (`v_scale`) to
-        2 * max |k| (|v|) / 448 over what it stored (k after rotary).
+        """Static per-layer fp8 parameters: run `token_ids` as a prompt over a scratch cache
+        in the model dtype, then set each attention layer's `k_shift` to the mean of the k
+        it stored (after rotary), per kv head and channel, and `k_scale` (`v_scale`) to
+        2 * max |k - k_shift| (|v|) / 448.
 
-        The headroom of 2 keeps other texts from saturating: on SmolLM2, 4096 tokens of
-        pydoc_data.topics reach at most 1.35x the calibration text's amax in any layer. V
-        needs the scale (layer 0's |v| <= 0.6 would sit in e4m3's subnormals with scale 1);
-        K's error is e4m3's 3 mantissa bits on post-rotary values, which no static scale
-        removes (measured: SmolLM2 fp32 perplexity x1.028 with K alone quantized, x1.016 to
-        x1.029 with K's scale multiplied by 0.75 to 16, no trend; x1.0006 with V alone).
+        The shift (see `engine/attention`): measured on SmolLM2 fp32, perplexity x1.0141 ->
+        x1.0065 (K's own error: x1.028 with K alone quantized and unshifted, x1.016 to x1.029
+        with its scale multiplied by 0.75 to 16, no trend, so no static scale removes it;
+        x1.0006 with V alone). The headroom of 2 keeps other texts from saturating: on
+        SmolLM2, 4096 tokens of pydoc_data.topics reach at most 1.35x the calibration text's
+        amax in any layer. V needs the scale (layer 0's |v| <= 0.6 would sit in e4m3's
+        subnormals with scale 1).
         """
-        _, kv_caches = self._prefill_forward(token_ids, self.dtype)
+        _, stored = self._prefill_forward(token_ids, self.dtype)
         layers = [layer.self_attn for layer in self.model.model.layers]
-        for attn, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
-            # A layer that stored only zeros reads back exactly with any scale: keep 1.
-            k_amax, v_amax = (float(c.abs().amax()) for c in (k_cache, v_cache))
+        for attn, (k, v) in zip(layers, stored, strict=True):
+            k = k.float()
+            attn.k_shift = k.mean(dim=0)
+            # A layer that stored only zeros (or one constant) reads back exactly: keep 1.
+            k_amax, v_amax = float((k - attn.k_shift).abs().amax()), float(v.abs().amax())
             attn.k_scale = 2 * k_amax / FP8_MAX if k_amax > 0 else 1.0
             attn.v_scale = 2 * v_amax / FP8_MAX if v_amax > 0 else 1.0
         k_scales = [attn.k_scale for attn in layers]

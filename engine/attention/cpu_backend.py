@@ -60,11 +60,12 @@ class CpuAttentionBackend(AttentionBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        k_shift: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
         write_kv_cache(
             k[:num_tokens], v[:num_tokens], k_cache, v_cache, metadata.slot_mapping,
-            k_scale, v_scale,
+            k_scale, v_scale, k_shift,
         )  # fmt: skip
         # Every real row is written by one of the kernels; padding rows are zeros.
         out = cpu_runtime.empty(q.shape, q.dtype)

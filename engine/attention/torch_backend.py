@@ -79,8 +79,9 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        k_shift: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        k, v = write_kv(k, v, k_cache, v_cache, metadata, k_scale, v_scale)
+        k, v = write_kv(k, v, k_cache, v_cache, metadata, k_scale, v_scale, k_shift)
         out = torch.zeros_like(q)
         attend_groups(q, k, v, k_cache, v_cache, metadata.groups, scale, out, k_scale, v_scale)
         return out
@@ -94,14 +95,15 @@ def write_kv(
     metadata: TorchAttentionMetadata,
     k_scale: float,
     v_scale: float,
+    k_shift: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Store the step's new k/v at their slots; returns them as stored (the caches' dtype).
     The whole batch is written before anyone reads: a later request may read a block
     written in this step."""
     num_tokens = metadata.num_actual_tokens
     stored = []
-    for x, cache, x_scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        x = quantize_kv(x[:num_tokens], cache.dtype, x_scale)
+    for x, cache, x_scale, x_shift in ((k, k_cache, k_scale, k_shift), (v, v_cache, v_scale, None)):
+        x = quantize_kv(x[:num_tokens], cache.dtype, x_scale, x_shift)
         flat = cache.view(-1, *cache.shape[2:])
         if cache.dtype == FP8_DTYPE:  # torch has no index_copy_ for fp8: copy the bytes
             flat.view(torch.uint8).index_copy_(0, metadata.slot_mapping, x.view(torch.uint8))

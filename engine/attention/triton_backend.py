@@ -81,6 +81,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        k_shift: torch.Tensor | None = None,
     ) -> torch.Tensor:
         num_tokens = metadata.num_actual_tokens
         # The whole batch is written first: a later request may read a block written now.
@@ -92,6 +93,7 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.slot_mapping,
             k_scale,
             v_scale,
+            k_shift,
         )
         out = torch.empty_like(q)
         out[num_tokens:].zero_()

@@ -168,17 +168,18 @@ struct kvrail_write_kv_args {
     const void *k, *v;            /* [num_tokens, num_kv_heads, head_dim], strided rows */
     void *k_cache, *v_cache;      /* [num_blocks, block_size, num_kv_heads, head_dim] */
     const int64_t *slot_mapping;  /* [num_tokens]; a negative slot writes nothing */
+    const float *k_shift;         /* [num_kv_heads, head_dim], or NULL: zero */
     int64_t dtype, cache_dtype, num_tokens, num_kv_heads, head_dim;
     int64_t stride_kt, stride_kh, stride_vt, stride_vh;
-    float k_scale, v_scale;       /* fp8 caches store x / scale */
+    float k_scale, v_scale;       /* fp8 caches store (x - shift) / scale */
 };
 
 static void write_head(const void *src, int dtype, int64_t src_row, void *cache, int cache_dtype,
-                       int64_t dst_row, int64_t head_dim, float inv_scale) {
+                       int64_t dst_row, int64_t head_dim, const float *shift, float scale) {
     for (int64_t d = 0; d < head_dim; d++) {
         const float x = load_float(src, dtype, src_row + d);
         if (cache_dtype == KVRAIL_FP8_E4M3)
-            ((uint8_t *)cache)[dst_row + d] = f32_to_e4m3(x * inv_scale);
+            ((uint8_t *)cache)[dst_row + d] = f32_to_e4m3((shift ? x - shift[d] : x) / scale);
         else
             store_float(cache, cache_dtype, dst_row + d, x);
     }
@@ -194,9 +195,10 @@ void kvrail_write_kv(const struct kvrail_write_kv_args *a, int tid, int num_thre
         for (int64_t h = 0; h < a->num_kv_heads; h++) {
             const int64_t dst = slot * slot_size + h * a->head_dim;
             write_head(a->k, (int)a->dtype, t * a->stride_kt + h * a->stride_kh, a->k_cache,
-                       (int)a->cache_dtype, dst, a->head_dim, 1.0f / a->k_scale);
+                       (int)a->cache_dtype, dst, a->head_dim,
+                       a->k_shift ? a->k_shift + h * a->head_dim : NULL, a->k_scale);
             write_head(a->v, (int)a->dtype, t * a->stride_vt + h * a->stride_vh, a->v_cache,
-                       (int)a->cache_dtype, dst, a->head_dim, 1.0f / a->v_scale);
+                       (int)a->cache_dtype, dst, a->head_dim, NULL, a->v_scale);
         }
     }
 }

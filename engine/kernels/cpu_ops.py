@@ -39,7 +39,7 @@ RotaryArgs = _struct(
 SiluAndMulArgs = _struct("SiluAndMulArgs", "x out", "dtype num_tokens width stride_x stride_out")
 WriteKvArgs = _struct(
     "WriteKvArgs",
-    "k v k_cache v_cache slot_mapping",
+    "k v k_cache v_cache slot_mapping k_shift",
     "dtype cache_dtype num_tokens num_kv_heads head_dim stride_kt stride_kh stride_vt stride_vh",
     "k_scale v_scale",
 )
@@ -179,12 +179,20 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    k_shift: torch.Tensor | None = None,
 ) -> None:
     """Write k, v `[T, num_kv_heads, head_dim]` into the caches at `slot_mapping` `[T]` int64
-    (negative: skipped); an fp8 cache stores x / scale, rounded, saturating at +-448."""
+    (negative: skipped); an fp8 cache stores `quantize_kv`'s values: (x - shift) / scale,
+    rounded, saturating at +-448, with `k_shift` fp32 `[num_kv_heads, head_dim]` for K."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if k.stride(-1) != 1 or v.stride(-1) != 1 or slot_mapping.dtype != torch.int64:
         raise ValueError("k and v need a contiguous last dimension, slot_mapping int64")
+    if k_shift is not None and (
+        k_shift.dtype != torch.float32
+        or k_shift.shape != k.shape[1:]
+        or not k_shift.is_contiguous()
+    ):
+        raise ValueError(f"k_shift must be contiguous fp32 {tuple(k.shape[1:])}")
     if num_tokens:
         args = WriteKvArgs(
             k=k.data_ptr(),
@@ -192,6 +200,7 @@ def write_kv_cache(
             k_cache=k_cache.data_ptr(),
             v_cache=v_cache.data_ptr(),
             slot_mapping=slot_mapping.data_ptr(),
+            k_shift=None if k_shift is None else k_shift.data_ptr(),
             dtype=dtype_code(k.dtype),
             cache_dtype=dtype_code(k_cache.dtype),
             num_tokens=num_tokens,
@@ -204,4 +213,5 @@ def write_kv_cache(
             k_scale=k_scale,
             v_scale=v_scale,
         )
-        launch("kvrail_write_kv", args, k, v, k_cache, v_cache, slot_mapping, work=2 * k.numel())
+        tensors = (k, v, k_cache, v_cache, slot_mapping) + (() if k_shift is None else (k_shift,))
+        launch("kvrail_write_kv", args, *tensors, work=2 * k.numel())

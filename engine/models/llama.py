@@ -124,9 +124,11 @@ class LlamaAttention(nn.Module):
         # Bound by the model runner (bind_kv_cache); not parameters or buffers.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        # An fp8 cache's per-layer scales, calibrated by the model runner; 1.0 otherwise.
+        # An fp8 cache's per-layer scales and K's per-channel mean (fp32 [num_kv_heads,
+        # head_dim]), calibrated by the model runner; 1.0 and None otherwise.
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self.k_shift: torch.Tensor | None = None
 
     def forward(self, hidden_states: torch.Tensor, rope: RopeFn) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
@@ -141,8 +143,9 @@ class LlamaAttention(nn.Module):
         q, k = rope(q, k)
         metadata = get_forward_context().attn_metadata
         out = self.attn_backend.forward(
-            q, k, v, self.k_cache, self.v_cache, metadata, self.scale, self.k_scale, self.v_scale
-        )
+            q, k, v, self.k_cache, self.v_cache, metadata, self.scale,
+            self.k_scale, self.v_scale, self.k_shift,
+        )  # fmt: skip
         return self.o_proj(out.view(num_tokens, self.q_size))
 
 

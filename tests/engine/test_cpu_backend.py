@@ -37,7 +37,7 @@ def test_kernel_matches_reference(dtype, block_size, num_heads, num_kv_heads, he
     expected = decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, 0.3)
     # Slots no context reaches may hold anything: NaN there must not leak into the output.
     used = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
-    for blocks, seq_len in zip(block_table.tolist(), seq_lens.tolist()):
+    for blocks, seq_len in zip(block_table.tolist(), seq_lens.tolist(), strict=True):
         for t in range(seq_len):
             used[blocks[t // block_size], t % block_size] = True
     k_cache[~used], v_cache[~used] = float("nan"), float("nan")

@@ -235,16 +235,20 @@ def test_write_kv_cache_fp8_rounds_and_saturates_like_torch():
     values = torch.cat([values, torch.zeros(512 - len(values))]).view(16, 2, 16)
     k_cache = torch.zeros(4, 4, 2, 16, dtype=torch.float8_e4m3fn)
     v_cache = torch.zeros_like(k_cache)
-    k_scale, v_scale = 0.5, 0.02
-    cpu_ops.write_kv_cache(values, -values, k_cache, v_cache, torch.arange(16), k_scale, v_scale)
+    k_scale, v_scale, k_shift = 0.5, 0.02, torch.randn(2, 16) * 3
+    cpu_ops.write_kv_cache(
+        values, -values, k_cache, v_cache, torch.arange(16), k_scale, v_scale, k_shift
+    )
 
     def encode(x, scale):
         return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
 
     stored_k = k_cache.view(16, 2, 16).view(torch.uint8)
     stored_v = v_cache.view(16, 2, 16).view(torch.uint8)
-    assert torch.equal(stored_k, encode(values, k_scale).view(torch.uint8))
+    assert torch.equal(stored_k, encode(values - k_shift, k_scale).view(torch.uint8))
     assert torch.equal(stored_v, encode(-values, v_scale).view(torch.uint8))
+    with pytest.raises(ValueError, match="k_shift must be contiguous fp32"):
+        cpu_ops.write_kv_cache(values, values, k_cache, v_cache, torch.arange(16), 1, 1, k_shift.T)
 
 
 # CPU graphs -----------------------------------------------------------------------------------

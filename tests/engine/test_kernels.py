@@ -230,7 +230,7 @@ def to_fp8(k_cache, v_cache):
     )
 
 
-def check_fp8_write(k, v, k_scale, v_scale):
+def check_fp8_write(k, v, k_scale, v_scale, k_shift=None):
     """write_kv_cache of k, v `[6, 2, HEAD_DIM]` into fp8 caches (random contents, one slot
     skipped) equals the reference byte for byte, and stores no NaN."""
     device = k.device
@@ -238,8 +238,8 @@ def check_fp8_write(k, v, k_scale, v_scale):
     v_cache = quantize_kv(torch.randn(5, 8, 2, HEAD_DIM, device=device), FP8_DTYPE, v_scale)
     slots = torch.tensor([0, 3 * 8 + 1, -1, 5 * 8 - 1, 7, 8], device=device)
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    write_kv_cache_ref(k, v, expected_k, expected_v, slots, k_scale, v_scale)
-    write_kv_cache(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    write_kv_cache_ref(k, v, expected_k, expected_v, slots, k_scale, v_scale, k_shift)
+    write_kv_cache(k, v, k_cache, v_cache, slots, k_scale, v_scale, k_shift)
     for got, expected in ((k_cache, expected_k), (v_cache, expected_v)):
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
         assert not got.float().isnan().any()
@@ -261,6 +261,19 @@ def test_write_kv_cache_fp8_on_the_e4m3_grid():
     assert torch.equal(stored[:, 0, :3], torch.tensor([FP8_MAX, -FP8_MAX, FP8_MAX]).expand(6, 3))
 
 
+def test_write_kv_cache_fp8_subtracts_the_key_shift():
+    """K is stored less `k_shift`, V as it is. Exact under the interpreter: shifts are
+    multiples of 1/8 under 8 and the scale a power of two, so (k - shift) / scale is the
+    e4m3 value that k was built from."""
+    gen = torch.Generator().manual_seed(3)
+    x = E4M3_GRID[torch.randint(len(E4M3_GRID), (2, 6, 2, HEAD_DIM), generator=gen)]
+    k_shift = torch.randint(-64, 64, (2, HEAD_DIM), generator=gen) / 8
+    k, v = x[0] * 0.5 + k_shift, x[1] * 0.25
+    check_fp8_write(k, v, 0.5, 0.25, k_shift)
+    stored = quantize_kv(k, FP8_DTYPE, 0.5, k_shift).float()
+    assert torch.equal(stored, x[0].clamp(-FP8_MAX, FP8_MAX))
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason=INTERPRETER_FP8_ROUNDING)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_cache_fp8_rounds_as_torch(dtype):
@@ -272,6 +285,8 @@ def test_write_kv_cache_fp8_rounds_as_torch(dtype):
     x = torch.cat([midpoints, 300 * torch.randn(2 * 6 * 2 * HEAD_DIM - len(midpoints))])
     x = x[torch.randperm(len(x), generator=gen)].view(2, 6, 2, HEAD_DIM).to(dtype).cuda()
     check_fp8_write(x[0] * 0.5, x[1] * 2.0, k_scale=0.5, v_scale=2.0)
+    k_shift = torch.randn(2, HEAD_DIM, generator=gen).cuda()
+    check_fp8_write(x[0] * 0.5 + k_shift, x[1], k_scale=0.5, v_scale=2.0, k_shift=k_shift)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)  # q and out in the model dtype

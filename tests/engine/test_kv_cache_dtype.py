@@ -41,8 +41,12 @@ def tiny(tmp_path_factory):
 
 
 def layer_scales(llm: LLM) -> list[tuple[float, float]]:
+    return [(attn.k_scale, attn.v_scale) for attn in attention_layers(llm)]
+
+
+def attention_layers(llm: LLM) -> list[torch.nn.Module]:
     model = llm.llm_engine.engine_core.model_runner.model
-    return [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in model.model.layers]
+    return [layer.self_attn for layer in model.model.layers]
 
 
 def num_kv_blocks(llm: LLM) -> int:
@@ -107,9 +111,14 @@ def test_calibration_is_reproducible_and_leaves_headroom(fp32_runs, tiny):
     scales = layer_scales(fp32_runs["fp8"][0])
     assert all(s > 0 for pair in scales for s in pair)
     assert layer_scales(fp32_runs["auto"][0]) == [(1.0, 1.0)] * len(scales)
+    assert all(attn.k_shift is None for attn in attention_layers(fp32_runs["auto"][0]))
     llm = LLM(str(path), dtype="float32", kv_cache_dtype="fp8", kv_cache_memory_bytes=KV_BYTES)
     assert layer_scales(llm) == scales
-    # The calibration text as a prompt: its largest K and V are stored at 448 / 2.
+    for a, b in zip(attention_layers(llm), attention_layers(fp32_runs["fp8"][0]), strict=True):
+        assert a.k_shift.dtype == torch.float32 and a.k_shift.shape == (2, 16)
+        assert torch.equal(a.k_shift, b.k_shift) and a.k_shift.abs().sum() > 0
+    # The calibration text as a prompt: its largest K (less the shift) and V are stored at
+    # 448 / 2.
     calibration = calibration_token_ids(llm.get_tokenizer())
     llm.generate([calibration], SamplingParams(max_tokens=1))
     for k_cache, v_cache in llm.llm_engine.engine_core.model_runner.kv_caches:
@@ -125,17 +134,20 @@ def test_fp8_logprobs_match_hf_with_quantized_kv(fp32_runs, tiny, monkeypatch):
     path, prompts = tiny
     llm, outputs = fp32_runs["fp8"]
     scales = layer_scales(llm)
+    shifts = [attn.k_shift for attn in attention_layers(llm)]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     current = {}
 
-    def fake_quant(x: torch.Tensor, scale: float) -> torch.Tensor:
-        return dequantize_kv(quantize_kv(x, FP8_DTYPE, scale), x.dtype, scale)
+    def fake_quant(x: torch.Tensor, scale: float, shift=None) -> torch.Tensor:
+        return dequantize_kv(quantize_kv(x, FP8_DTYPE, scale, shift), x.dtype, scale)
 
     rotary = modeling_llama.apply_rotary_pos_emb
 
     def rotary_then_quantize(q, k, *args, **kwargs):
-        q, k = rotary(q, k, *args, **kwargs)
-        return q, fake_quant(k, scales[current["layer"]][0])
+        q, k = rotary(q, k, *args, **kwargs)  # k: [batch, num_kv_heads, T, head_dim]
+        layer = current["layer"]
+        shifted = fake_quant(k.transpose(1, 2), scales[layer][0], shifts[layer])
+        return q, shifted.transpose(1, 2)
 
     monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", rotary_then_quantize)
     for i, layer in enumerate(model.model.layers):
