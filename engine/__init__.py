@@ -4,6 +4,7 @@ The public API matches vLLM's, so code can switch between the two:
     from engine import LLM, SamplingParams
 """
 
+from engine.chat_template import apply_chat_template
 from engine.config import EngineConfig
 from engine.llm_engine import LLM, LLMEngine
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -17,4 +18,5 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "apply_chat_template",
 ]

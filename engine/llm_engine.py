@@ -17,6 +17,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from engine.calibration import calibration_token_ids
+from engine.chat_template import apply_chat_template
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.engine_core import EngineCore
@@ -104,13 +105,6 @@ class LLMEngine:
         if any(not 0 <= t < vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
         return None, list(prompt)
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-        if not self.tokenizer.chat_template:
-            raise ValueError("this model has no chat template")
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **kwargs
-        )
 
     def add_request(
         self,
@@ -364,14 +358,15 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.llm_engine.apply_chat_template(list(c), **(chat_template_kwargs or {}))
-            for c in conversations
-        ]
-        # The template already carries any BOS: tokenize without adding special tokens.
         tokenizer = self.llm_engine.tokenizer
-        token_prompts = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        outputs = self.generate(token_prompts, sampling_params, use_tqdm)
+        prompts, token_prompts = zip(
+            *(
+                apply_chat_template(tokenizer, list(c), **(chat_template_kwargs or {}))
+                for c in conversations
+            ),
+            strict=True,
+        )
+        outputs = self.generate(list(token_prompts), sampling_params, use_tqdm)
         for output, prompt in zip(outputs, prompts, strict=True):
             output.prompt = prompt
         return outputs

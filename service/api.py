@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine import envs, loader
+from engine import apply_chat_template, envs, loader
 from engine.loader import resolve_model
 from queueing.client import KvrailClient, RedisDataLost, StreamError, StreamTimeout
 from queueing.schema import (
@@ -172,11 +172,7 @@ async def _prompt_token_ids(state: ApiState, parsed: ParsedRequest) -> list[int]
             return parsed.prompt_token_ids
         if parsed.prompt is not None:
             return tokenizer(parsed.prompt).input_ids
-        text = tokenizer.apply_chat_template(
-            parsed.messages, tokenize=False, add_generation_prompt=True
-        )
-        # The template already wrote the special tokens; adding them again would double BOS.
-        return tokenizer(text, add_special_tokens=False).input_ids
+        return apply_chat_template(tokenizer, parsed.messages)[1]
 
     try:
         return await asyncio.to_thread(tokenize)
@@ -476,12 +472,14 @@ async def _tokenize_messages(state: ApiState, body: dict[str, Any]) -> list[int]
     add_generation_prompt = get_field(body, "add_generation_prompt", (bool,), True)
     add_special = get_field(body, "add_special_tokens", (bool,), False)
     try:
-        text = state.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        return apply_chat_template(
+            state.tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            add_special_tokens=add_special,
+        )[1]
     except Exception as e:  # a chat template can raise anything
         raise ApiError(400, f"Cannot apply the chat template: {e}", param="messages") from None
-    return state.tokenizer(text, add_special_tokens=add_special).input_ids
 
 
 async def detokenize(request: Request) -> Response:

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import LLMEngine, RequestOutput, SamplingParams
+from engine import LLMEngine, RequestOutput, SamplingParams, apply_chat_template
 from engine.scheduler import SchedulerStats
 from queueing.schema import GenerateRequest, check_prompt_logprobs_size
 
@@ -155,9 +155,7 @@ class EngineThread(threading.Thread):
 
     def _prompt(self, request: GenerateRequest) -> str | list[int]:
         if request.messages is not None:
-            text = self.engine.apply_chat_template(request.messages)
-            # The template already carries any BOS: no special tokens added, as `LLM.chat`.
-            return self.engine.tokenizer.encode(text, add_special_tokens=False)
+            return apply_chat_template(self.engine.tokenizer, request.messages)[1]
         if request.prompt_token_ids is not None:
             return request.prompt_token_ids
         return request.prompt
