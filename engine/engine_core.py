@@ -7,9 +7,9 @@ from pathlib import Path
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.model_runner import ModelRunner
-from engine.outputs import EngineCoreOutput
+from engine.outputs import EngineCoreOutput, EngineStats
 from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler, SchedulerStats
+from engine.scheduler import Scheduler
 
 logger = logging.getLogger("kvrail.engine")
 
@@ -32,6 +32,7 @@ class EngineCore:
             max_model_len = num_blocks * config.block_size
             logger.warning("max_model_len lowered to %d to fit the KV pool", max_model_len)
         self.max_model_len = max_model_len
+        self.vocab_size = self.model_runner.vocab_size
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -67,5 +68,5 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def get_stats(self) -> SchedulerStats:
+    def get_stats(self) -> EngineStats:
         return self.scheduler.make_stats()

@@ -81,9 +81,8 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """All physical blocks: ref counts, the hash -> block map of cached blocks, the LRU queue."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
@@ -141,7 +140,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of the request already hashed
         self.prefix_cache_queries = 0  # tokens looked up

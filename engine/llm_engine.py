@@ -25,12 +25,13 @@ from engine.loader import load_tokenizer, resolve_model
 from engine.outputs import (
     CompletionOutput,
     EngineCoreOutput,
+    EngineStats,
     Logprob,
     LogprobsEntry,
     RequestOutput,
+    UnfinishedRequest,
 )
-from engine.request import Request, SamplingParams
-from engine.scheduler import SchedulerStats
+from engine.request import FinishReason, Request, SamplingParams, check_prompt_len
 
 logger = logging.getLogger("kvrail.engine")
 
@@ -47,7 +48,7 @@ class ChildState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     resumed_token_ids: list[int] = field(default_factory=list)  # emitted before a resume
 
@@ -80,6 +81,7 @@ class LLMEngine:
             calibration_token_ids(self.tokenizer),
         )
         self.max_model_len = self.engine_core.max_model_len
+        self.vocab_size = self.engine_core.vocab_size
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
         logger.info("engine ready in %.1f s", time.perf_counter() - start)
@@ -101,9 +103,8 @@ class LLMEngine:
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt must be a string or a list of token ids")
-        vocab_size = self.engine_core.model_runner.vocab_size
-        if any(not 0 <= t < vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         return None, list(prompt)
 
     def add_request(
@@ -128,19 +129,15 @@ class LLMEngine:
         prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
-        if len(prompt_token_ids) > self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens, more than max_model_len "
-                f"{self.max_model_len}"
-            )
+        check_prompt_len(len(prompt_token_ids), self.max_model_len)
         if resume is not None and len(resume) != params.n:
             raise ValueError(f"resume needs one entry per choice ({params.n})")
         if resume is not None:
             # Resumed tokens come from a response stream anyone can write to: an id outside
             # the vocabulary would fail the whole batch's step, not just this request.
-            vocab_size = self.engine_core.model_runner.vocab_size
-            if any(not 0 <= t < vocab_size for emitted in resume if emitted for t in emitted):
-                raise ValueError(f"resumed token ids must be in [0, {vocab_size})")
+            resumed = [t for emitted in resume if emitted for t in emitted]
+            if any(not 0 <= t < self.vocab_size for t in resumed):
+                raise ValueError(f"resumed token ids must be in [0, {self.vocab_size})")
         children = {}
         for index in range(params.n):
             emitted = [] if resume is None else resume[index]
@@ -198,6 +195,21 @@ class LLMEngine:
             for child_id in parent.children:
                 del self.child_to_parent[child_id]
 
+    def abort_all(self) -> list[str]:
+        """Abort every unfinished request; returns their ids."""
+        request_ids = list(self.parents)
+        self.abort_request(request_ids)
+        return request_ids
+
+    def get_unfinished_request(self, request_id: str) -> UnfinishedRequest | None:
+        """The request's prompt length and its choices still generating; None once it has
+        finished (its final `RequestOutput` was returned by `step`) or if it is unknown."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        open_indices = [c.index for c in parent.children.values() if c.finish_reason is None]
+        return UnfinishedRequest(request_id, len(parent.prompt_token_ids), open_indices)
+
     def step(self) -> list[RequestOutput]:
         """One engine step. Returns, per request that progressed, the new text and tokens."""
         deltas: dict[str, list[CompletionOutput]] = {}
@@ -252,7 +264,7 @@ class LLMEngine:
         if stop_string is not None:
             if finish_reason is None:
                 stops[out.request_id] = stop_string
-            finish_reason, stop_reason = "stop", stop_string
+            finish_reason, stop_reason = FinishReason.STOP, stop_string
         child.finish_reason, child.stop_reason = finish_reason, stop_reason
         return CompletionOutput(
             index=child.index,
@@ -278,7 +290,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 
-    def get_stats(self) -> SchedulerStats:
+    def get_stats(self) -> EngineStats:
         return self.engine_core.get_stats()
 
 

@@ -48,7 +48,6 @@ from engine.sampler import Sampler, SamplingMetadata, gather_logprobs
 
 logger = logging.getLogger("kvrail.model_runner")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Prompt logprobs take logits of every prompt row: a 2048-token prefill would hold 0.4-1.2 GB
 # of fp32 logits (vocab 49k-152k) at once, so rows go through in slices of this many (40-160
 # MB per slice for the logits, as much again for their log_softmax).
@@ -67,7 +66,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         # model-shaped matrices); parity with HF is checked in fp32, which stays available.
         fast_bf16 = device.type == "cuda" or torch.cpu._is_avx512_bf16_supported()
         return torch.bfloat16 if fast_bf16 else torch.float32
-    return _DTYPES[name]
+    return getattr(torch, name)  # EngineConfig's dtype names are torch's
 
 
 def resolve_kv_cache_dtype(

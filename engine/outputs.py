@@ -2,13 +2,14 @@
 
 scheduler --SchedulerOutput--> model runner --ModelRunnerOutput--> scheduler
 scheduler --EngineCoreOutput--> output processor --RequestOutput--> user
+scheduler --EngineStats--> user (`LLMEngine.get_stats`)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import SamplingParams
+from engine.request import FinishReason, SamplingParams
 
 
 @dataclass
@@ -39,7 +40,6 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished since the last step: the runner drops their state
-    preempted_req_ids: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -70,13 +70,9 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     new_logprobs: list[LogprobsEntry] = field(default_factory=list)
     prompt_logprobs: list[LogprobsEntry] | None = None  # [P - 1], once, with the first token
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -95,7 +91,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per token, when asked
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
     def finished(self) -> bool:
@@ -115,3 +111,26 @@ class RequestOutput:
     # When asked: per prompt position, None at 0, then the prompt's token and the top-N. A
     # `LLMEngine.step` delta has it once, on the step that completed the prompt.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass(frozen=True)
+class UnfinishedRequest:
+    """A request the engine still serves, as `LLMEngine.get_unfinished_request` reports it."""
+
+    request_id: str
+    num_prompt_tokens: int
+    open_indices: list[int]  # choices that have not finished
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load and counters (vLLM's `SchedulerStats`)."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float  # fraction of blocks in use
+    num_blocks_in_use: int
+    num_tokens_stored: int  # tokens whose KV sits in running requests' blocks
+    num_preemptions: int  # since start
+    prefix_cache_queries: int  # tokens looked up, since start
+    prefix_cache_hits: int  # tokens found, since start

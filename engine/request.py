@@ -1,4 +1,7 @@
-"""Per-request state: `SamplingParams`, `Request` and its `RequestStatus`.
+"""Per-request state: `SamplingParams`, `Request`, its `RequestStatus` and `FinishReason`.
+
+`check_prompt_len` is the one prompt-length rule: `LLMEngine` applies it to the prompt before
+fanning a request out, the scheduler to each child (prompt plus resumed tokens) it queues.
 
 Scheduling state is plain counters (`num_computed_tokens`, `num_tokens`), so the
 scheduler's decisions are arithmetic on them. Only the scheduler changes `status`.
@@ -7,7 +10,6 @@ scheduler's decisions are arithmetic on them. Only the scheduler changes `status
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 # Bounds that keep one request from exhausting the engine; the service enforces the same.
@@ -145,6 +147,23 @@ def _is_num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
 
 
+def check_prompt_len(num_prompt_tokens: int, max_model_len: int) -> None:
+    """A prompt must leave room in the model's context; raises `ValueError` otherwise."""
+    if num_prompt_tokens > max_model_len:
+        raise ValueError(
+            f"prompt has {num_prompt_tokens} tokens, more than max_model_len {max_model_len}"
+        )
+
+
+class FinishReason(enum.StrEnum):
+    """Why a completion ended. A `str`, so it reaches msgpack, JSON and metric labels as its
+    value ("stop", "length", "abort"): the wire format is the plain string."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -159,14 +178,14 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def get_finished_reason(status: RequestStatus) -> str | None:
+    def get_finished_reason(status: RequestStatus) -> FinishReason | None:
         return _FINISHED_REASONS.get(status)
 
 
 _FINISHED_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
 
 
@@ -179,13 +198,11 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_id: int | None,
-        arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -194,7 +211,8 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = -1  # prefix-cache hit on first scheduling (-1 = not yet)
         self.num_preemptions = 0
-        self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
+        # Chained hashes (`kv_cache.BlockHash`) of the full blocks of all_token_ids.
+        self.block_hashes: list[bytes] = []
 
     @property
     def num_tokens(self) -> int:
@@ -211,5 +229,5 @@ class Request:
     def is_finished(self) -> bool:
         return RequestStatus.is_finished(self.status)
 
-    def get_finished_reason(self) -> str | None:
+    def get_finished_reason(self) -> FinishReason | None:
         return RequestStatus.get_finished_reason(self.status)

@@ -9,30 +9,18 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import KVCacheManager
 from engine.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    EngineStats,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
-from engine.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerStats:
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float  # fraction of blocks in use
-    num_blocks_in_use: int
-    num_tokens_stored: int  # tokens whose KV sits in running requests' blocks
-    num_preemptions: int  # since start
-    prefix_cache_queries: int  # tokens looked up, since start
-    prefix_cache_hits: int  # tokens found, since start
+from engine.request import Request, RequestStatus, check_prompt_len
 
 
 class Scheduler:
@@ -53,16 +41,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.finished_req_ids: set[str] = set()  # since the last schedule()
-        self.is_paused = False
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. The caller validated it; ids must be unique among live requests."""
-        if request.num_prompt_tokens > self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens, more than max_model_len "
-                f"{self.config.max_model_len}"
-            )
+        check_prompt_len(request.num_prompt_tokens, self.config.max_model_len)
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         if len(self.waiting) >= self.config.max_waiting_requests:
@@ -72,16 +55,9 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def pause(self) -> None:
-        """Spend no tokens until `resume()`; requests keep their state and blocks."""
-        self.is_paused = True
-
-    def resume(self) -> None:
-        self.is_paused = False
-
     def schedule(self) -> SchedulerOutput:
         """Spend this step's `token_budget`; see the module docstring. Mutates request state."""
-        token_budget = 0 if self.is_paused else self.config.max_num_batched_tokens
+        token_budget = self.config.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         preempted: list[Request] = []
         new_reqs: list[Request] = []
@@ -144,7 +120,6 @@ class Scheduler:
             token_budget -= num_new_tokens
 
         output = self._make_output(num_scheduled_tokens, new_reqs, resumed_reqs, new_block_ids)
-        output.preempted_req_ids = {r.request_id for r in preempted}
         # Counters advance now: the next schedule() sees this step's tokens as computed.
         for req_id, num_tokens in num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
@@ -282,9 +257,9 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def make_stats(self) -> SchedulerStats:
+    def make_stats(self) -> EngineStats:
         kv = self.kv_cache_manager
-        return SchedulerStats(
+        return EngineStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=kv.block_pool.get_usage(),

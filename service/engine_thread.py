@@ -3,8 +3,9 @@
 The asyncio side submits commands (`AddCommand`, `AbortCommand`, `STOP`) to a thread-safe
 queue; the thread drains it, runs `engine.step()` while there is work, blocks on the queue when
 idle (no busy spin), and hands events back through `emit` (the worker wraps
-`loop.call_soon_threadsafe`): a list of `RequestOutput` deltas per step, `RequestAborted`,
+`loop.call_soon_threadsafe`): `StepOutputs` (a step's `RequestOutput` deltas), `RequestAborted`,
 `RequestFailed`. An exception in a step fails that step's requests; the thread keeps serving.
+It uses only what `engine` exports: the worker never reaches into the engine's state.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import LLMEngine, RequestOutput, SamplingParams, apply_chat_template
-from engine.scheduler import SchedulerStats
+from engine import EngineStats, LLMEngine, RequestOutput, SamplingParams, apply_chat_template
 from queueing.schema import GenerateRequest, check_prompt_logprobs_size
 
 logger = logging.getLogger("kvrail.worker.engine")
@@ -50,6 +50,13 @@ STOP = object()  # abort everything silently (entries stay pending) and end the 
 
 
 @dataclass
+class StepOutputs:
+    """The deltas of one engine step (or the final output of a request resumed finished)."""
+
+    outputs: list[RequestOutput]
+
+
+@dataclass
 class RequestAborted:
     request_id: str
     reason: str
@@ -64,7 +71,7 @@ class RequestFailed:
     dead_letter: bool  # a bad request or an engine fault, as opposed to overload
 
 
-EngineEvent = list[RequestOutput] | RequestAborted | RequestFailed
+EngineEvent = StepOutputs | RequestAborted | RequestFailed
 
 
 class EngineThread(threading.Thread):
@@ -76,8 +83,7 @@ class EngineThread(threading.Thread):
         self.engine = engine
         self.emit = emit
         self.inputs: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self.stats: SchedulerStats = engine.get_stats()
-        self.running_ids: frozenset[str] = frozenset()
+        self.stats: EngineStats = engine.get_stats()
         self.num_added = 0
 
     def submit(self, command: object) -> None:
@@ -96,8 +102,8 @@ class EngineThread(threading.Thread):
             events: list[EngineEvent] = []
             for command in commands:
                 if command is STOP:
-                    self.engine.abort_request(list(self.engine.parents))
-                    self._snapshot()
+                    self.engine.abort_all()
+                    self.stats = self.engine.get_stats()
                     return
                 event = self._handle(command)
                 if event is not None:
@@ -105,25 +111,20 @@ class EngineThread(threading.Thread):
             if self.engine.has_unfinished_requests():
                 events.extend(self._step())
             # Snapshot before emitting: whoever sees an event then sees the blocks it freed.
-            self._snapshot()
+            self.stats = self.engine.get_stats()
             for event in events:
                 self.emit(event)
-
-    def _snapshot(self) -> None:
-        self.stats = self.engine.get_stats()
-        self.running_ids = frozenset(self.engine.parents)
 
     def _handle(self, command: object) -> EngineEvent | None:
         if isinstance(command, AddCommand):
             return self._add(command)
         assert isinstance(command, AbortCommand), command
-        parent = self.engine.parents.get(command.request_id)
-        if parent is None:
+        request = self.engine.get_unfinished_request(command.request_id)
+        if request is None:
             return None  # finished meanwhile: its final chunk is already on the way
-        open_indices = [c.index for c in parent.children.values() if c.finish_reason is None]
         self.engine.abort_request(command.request_id)
         return RequestAborted(
-            command.request_id, command.reason, open_indices, len(parent.prompt_token_ids)
+            command.request_id, command.reason, request.open_indices, request.num_prompt_tokens
         )
 
     def _add(self, command: AddCommand) -> EngineEvent | None:
@@ -144,7 +145,8 @@ class EngineThread(threading.Thread):
                     # Every choice had finished when the last worker died, before the usage
                     # chunk: only that chunk is missing.
                     _, prompt_token_ids = self.engine.tokenize_prompt(prompt)
-                    return [RequestOutput(request.request_id, None, prompt_token_ids, [], True)]
+                    final = RequestOutput(request.request_id, None, prompt_token_ids, [], True)
+                    return StepOutputs([final])
             self.engine.add_request(request.request_id, prompt, params, resume=resume)
         except OverflowError as e:
             return RequestFailed(request.request_id, f"{e}; retry later", dead_letter=False)
@@ -167,10 +169,9 @@ class EngineThread(threading.Thread):
             # A fault in one step must not end the worker: fail the requests it was serving
             # (their KV is freed) and keep going with the next ones.
             logger.exception("engine step failed")
-            failed = list(self.engine.parents)
-            self.engine.abort_request(failed)
+            failed = self.engine.abort_all()
             return [RequestFailed(rid, f"engine error: {e}", dead_letter=True) for rid in failed]
-        return [outputs] if outputs else []
+        return [StepOutputs(outputs)] if outputs else []
 
 
 async def load_engine(**kwargs: Any) -> LLMEngine:

@@ -1,6 +1,7 @@
 """Prometheus metrics, vLLM's names with a `kvrail:` prefix, in one module-level registry.
 
-The worker section below is updated by `service.worker`; tests read values with
+The worker section below is updated by the worker's modules (`service.delivery`,
+`service.output_processor`, `service.heartbeat`); tests read values with
 `REGISTRY.get_sample_value(...)`. HTTP-side metrics are appended in their own section.
 """
 

@@ -28,7 +28,7 @@ def test_chained_hash_depends_on_parent():
 
 
 def test_free_queue_remove_from_middle_and_lru_order():
-    pool = BlockPool(5, enable_caching=True)
+    pool = BlockPool(5)
     blocks = pool.get_new_blocks(5)
     pool.free_blocks([blocks[3], blocks[1], blocks[4], blocks[0], blocks[2]])
     assert pool.free_block_queue.block_ids() == [3, 1, 4, 0, 2]
@@ -135,7 +135,7 @@ def test_hit_on_free_blocks_counts_against_room():
 
 
 def test_double_free_is_caught():
-    pool = BlockPool(2, enable_caching=False)
+    pool = BlockPool(2)
     (block,) = pool.get_new_blocks(1)
     pool.free_blocks([block])
     with pytest.raises(RuntimeError):

@@ -112,7 +112,7 @@ async def _settled(worker, app, probe: aioredis.Redis, before: dict[str, int]) -
     exact = ("tasks", "subscriptions", "http_in_progress")
     while True:
         now = await _resources(app, probe)
-        idle = not worker.inflight and worker.stats().num_blocks_in_use == 0
+        idle = not worker.inflight and worker.engine_thread.stats.num_blocks_in_use == 0
         if idle and all(now[k] == before[k] for k in exact):
             return now
         if time.monotonic() > deadline:

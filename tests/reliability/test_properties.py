@@ -25,7 +25,7 @@ from queueing.schema import (
     TokenChunk,
     WorkerInfo,
 )
-from service.worker import _peek_request_id
+from service.delivery import _peek_request_id
 
 MESSAGES = [GenerateRequest, TokenChunk, Abort, WorkerInfo]
 FIELD_NAMES = sorted(

@@ -51,7 +51,7 @@ async def serving(engine, redis_url, name="w1", grace_s=5.0, **kwargs):
     finally:
         worker.stop(grace_s)
         await asyncio.wait_for(task, 15)
-    assert worker.stats().num_blocks_in_use == 0
+    assert worker.engine_thread.stats.num_blocks_in_use == 0
     assert not engine.has_unfinished_requests()
 
 
@@ -119,7 +119,7 @@ async def test_duplicate_request_id_is_generated_once(engine, redis, redis_url):
     async with serving(engine, redis_url) as worker:
         chunks = await read_chunks(redis, "dup")
         await asyncio.sleep(0.3)  # give a second generation the chance to show up
-        assert worker.stats().num_added == 1  # the engine saw one request
+        assert worker.engine_thread.num_added == 1  # the engine saw one request
     stored = await streams.read_response(redis, keys.response("dup"))
     assert [c.seq for c in stored] == list(range(len(chunks))) and stored[-1].is_last
     assert await num_pending(redis) == 0
@@ -176,13 +176,13 @@ async def test_abort_frees_kv_blocks(engine, redis, redis_url):
     await submit(redis, request)
     async with serving(engine, redis_url) as worker:
         await read_chunks(redis, "ab", until_last=False)
-        assert worker.stats().num_blocks_in_use > 0
+        assert worker.engine_thread.stats.num_blocks_in_use > 0
         await redis.xadd(keys.control, {"data": Abort("ab").encode()})
         start = time.monotonic()
         chunks = await read_chunks(redis, "ab", timeout=1.0)
-        while worker.stats().num_blocks_in_use and time.monotonic() - start < 1.0:
+        while worker.engine_thread.stats.num_blocks_in_use and time.monotonic() - start < 1.0:
             await asyncio.sleep(0.01)
-        assert worker.stats().num_blocks_in_use == 0
+        assert worker.engine_thread.stats.num_blocks_in_use == 0
     assert chunks[-1].finish_reason == "abort"
     assert chunks[-1].usage["completion_tokens"] == sum(len(c.token_ids) for c in chunks) < 400
     assert await num_pending(redis) == 0

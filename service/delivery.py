@@ -1,0 +1,202 @@
+"""Delivery: which stream entry a worker serves, resumes, or answers without generating.
+
+`kvrail:req:{id}` records which stream entry owns a request id (design.md). Another entry with
+the same id is a duplicate: acknowledged without generating. The owning entry read again
+(claimed from a dead worker, or pending at restart) resumes: the chunks already stored give
+each choice's emitted tokens, the engine recomputes them, `seq` continues after the last. An
+entry that will not be generated is rejected: an error chunk where there is a `Reply` to send
+it to, a dead letter when the entry itself is bad.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import msgpack
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from queueing import streams
+from queueing.schema import MAX_ID_LEN, GenerateRequest, SchemaError, TokenChunk, keys
+from service import metrics
+from service.engine_thread import AddCommand, EngineThread, ResumeState
+from service.publisher import Batch, Publisher
+
+log = structlog.get_logger("kvrail.worker")
+
+
+@dataclass
+class Inflight:
+    """A request this worker holds, from ingest until its final chunk is queued."""
+
+    entry_id: str
+    data: bytes
+    request: GenerateRequest
+    log: structlog.stdlib.BoundLogger
+    enqueued_s: float  # when the producer XADDed it (from the entry id)
+    next_seq: int = 0
+    completion_tokens: int = 0
+    last_token_s: float | None = None  # None until the first token (or resumed)
+    deadline_hit: bool = False
+
+    def chunk(self, **fields: object) -> TokenChunk:
+        """The next chunk of this request, numbered in order."""
+        chunk = TokenChunk(request_id=self.request.request_id, seq=self.next_seq, **fields)
+        self.next_seq += 1
+        return chunk
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Where a rejected entry's error chunk goes: its request's response stream, numbered
+    after the chunks already stored there."""
+
+    request_id: str
+    response_key: str
+    seq: int
+
+
+class Delivery:
+    """Turns request-stream entries into engine work (`AddCommand`) or into answers."""
+
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        consumer: streams.RequestConsumer,
+        publisher: Publisher,
+        engine_thread: EngineThread,
+        inflight: dict[str, Inflight],
+        response_ttl_s: int,
+    ) -> None:
+        self.r = r
+        self.consumer = consumer
+        self.publisher = publisher
+        self.engine_thread = engine_thread
+        self.inflight = inflight  # request_id -> state, shared with the worker
+        self.response_ttl_s = response_ttl_s
+
+    async def ingest(self, entry_id: str, data: bytes | None) -> None:
+        """Serve one entry. A Redis error propagates (the entry stays pending and is claimed
+        again); any other fault answers the entry as a bad one."""
+        try:
+            await self._ingest(entry_id, data)
+        except RedisError:
+            raise
+        except Exception as e:
+            # A fault on one entry (say a corrupt response stream) must not wedge the loop
+            # on it: answer it as a bad entry.
+            log.exception("request entry could not be served", entry_id=entry_id)
+            self.reject(entry_id, data, f"worker error: {e}")
+
+    async def _ingest(self, entry_id: str, data: bytes | None) -> None:
+        """Turn one stream entry into engine work, a resume, a duplicate ack or an error."""
+        if any(f.entry_id == entry_id for f in self.inflight.values()):
+            return  # already serving it (claimed back from ourselves)
+        if data is None:
+            log.warning("request entry was trimmed before it was served", entry_id=entry_id)
+            await self.consumer.ack(entry_id)
+            return
+        try:
+            request = GenerateRequest.decode(data)
+        except SchemaError as e:
+            await self._reject_undecodable(entry_id, data, str(e))
+            return
+        rid = request.request_id
+        rlog = log.bind(request_id=rid, entry_id=entry_id)
+        owner, aborted = await streams.own_request(self.r, rid, entry_id, self.response_ttl_s)
+        if owner != entry_id:
+            # Same id in another entry: that one is answered (or being answered) on the same
+            # response stream, so this one is never generated twice.
+            rlog.info("duplicate request id, acknowledged without generating", owner=owner)
+            await self.consumer.ack(entry_id)
+            return
+        key = request.response_key
+        # A write retried after a lost reply can store a chunk twice: one per seq counts.
+        chunks = list({c.seq: c for c in await streams.read_response(self.r, key)}.values())
+        if any(c.is_last for c in chunks):
+            rlog.info("already answered in full")
+            self.publisher.put(Batch(acks=[entry_id], done=[rid]))
+            return
+        reply = Reply(rid, key, chunks[-1].seq + 1 if chunks else 0)
+        if [c.seq for c in chunks] != list(range(len(chunks))):
+            # Trimmed or expired: the emitted tokens are unknown, so it cannot resume.
+            self.reject(entry_id, data, "response stream lost chunks", reply)
+            return
+        if request.deadline_ms is not None and request.deadline_ms < time.time() * 1000:
+            self.reject(entry_id, data, "deadline exceeded", reply, dead_letter=False)
+            return
+        if aborted:
+            # The client aborted before any worker held the request (or its worker died).
+            self.reject(entry_id, data, "aborted", reply, dead_letter=False)
+            return
+        inflight = Inflight(entry_id, data, request, rlog, _entry_time(entry_id), reply.seq)
+        resume = _resume_state(chunks) if chunks else None
+        if resume is not None:
+            inflight.completion_tokens = sum(len(t) for t in resume.token_ids.values())
+            inflight.last_token_s = time.time()  # no time-to-first-token for a resumed request
+            rlog.info("resuming", next_seq=inflight.next_seq, emitted=inflight.completion_tokens)
+        else:
+            metrics.request_queue_time_seconds.observe(max(0.0, time.time() - inflight.enqueued_s))
+        self.inflight[rid] = inflight
+        self.engine_thread.submit(AddCommand(request, resume))
+
+    def reject(
+        self,
+        entry_id: str,
+        data: bytes | None,
+        reason: str,
+        reply: Reply | None = None,
+        *,
+        dead_letter: bool = True,
+    ) -> None:
+        """Answer an entry that will not be generated: an error chunk when there is a `reply`
+        to send it to, a dead letter for a bad entry, then XACK once that is stored."""
+        log.warning("request rejected", entry_id=entry_id, reason=reason)
+        batch = Batch(acks=[entry_id])
+        if dead_letter:
+            batch.dead.append((entry_id, data, reason))
+        if reply is not None:
+            error = TokenChunk(reply.request_id, reply.seq, finish_reason="error", error=reason)
+            batch.chunks.append((reply.response_key, error))
+            batch.done.append(reply.request_id)
+        self.publisher.put(batch)
+
+    async def _reject_undecodable(self, entry_id: str, data: bytes, reason: str) -> None:
+        """A schema error: the client still gets an error chunk on the default response
+        stream when the request id is readable and no other entry owns it."""
+        rid = _peek_request_id(data)
+        reply = None
+        if rid is not None:
+            owner, _ = await streams.own_request(self.r, rid, entry_id, self.response_ttl_s)
+            if owner == entry_id:
+                key = keys.response(rid)
+                reply = Reply(rid, key, await self.r.xlen(key))
+        self.reject(entry_id, data, reason, reply)
+
+
+def _entry_time(entry_id: str) -> float:
+    """The XADD time of a stream entry, in unix seconds (the id's millisecond part)."""
+    return int(entry_id.split("-", 1)[0]) / 1000
+
+
+def _resume_state(chunks: list[TokenChunk]) -> ResumeState:
+    state = ResumeState()
+    for c in chunks:
+        state.token_ids.setdefault(c.index, []).extend(c.token_ids)
+        if c.finish_reason is not None:
+            state.finished.add(c.index)
+    return state
+
+
+def _peek_request_id(data: bytes) -> str | None:
+    """The request id of an entry that failed to decode, when it is readable and sane."""
+    try:
+        obj = msgpack.unpackb(data, raw=False)
+    except Exception:
+        return None
+    rid = obj.get("request_id") if isinstance(obj, dict) else None
+    if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_LEN and rid.isprintable() and " " not in rid:
+        return rid
+    return None

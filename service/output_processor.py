@@ -1,0 +1,123 @@
+"""Engine events -> `TokenChunk`s: the worker's output processor.
+
+Each event of the engine thread (`StepOutputs`, `RequestAborted`, `RequestFailed`) becomes the
+chunks of the requests it concerns, numbered per request (`Inflight.chunk`), queued on the
+publisher as one `Batch`. A request's last chunk carries its usage; the entry's XACK and done
+mark ride in the same batch, after the chunks. Token and request metrics are observed here.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine import FinishReason, RequestOutput
+from service import metrics
+from service.delivery import Inflight
+from service.engine_thread import EngineEvent, RequestAborted, RequestFailed, StepOutputs
+from service.publisher import Batch, Publisher
+
+
+class OutputProcessor:
+    """Turns engine events into chunks for the requests in `inflight`, which it retires."""
+
+    def __init__(self, inflight: dict[str, Inflight], publisher: Publisher) -> None:
+        self.inflight = inflight  # request_id -> state, shared with the worker
+        self.publisher = publisher
+
+    def process(self, event: EngineEvent) -> None:
+        batch = Batch()
+        match event:
+            case StepOutputs(outputs):
+                for output in outputs:
+                    self._on_output(output, batch)
+            case RequestAborted():
+                self._on_aborted(event, batch)
+            case RequestFailed():
+                self._on_failed(event, batch)
+        if batch.chunks:
+            self.publisher.put(batch)
+
+    def _on_output(self, output: RequestOutput, batch: Batch) -> None:
+        f = self.inflight.get(output.request_id)
+        if f is None:
+            return
+        key, now = f.request.response_key, time.time()
+        num_new, last = 0, None
+        for c in output.outputs:
+            if not (c.token_ids or c.text or c.finish_reason):
+                continue
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = [[[t, lp.logprob] for t, lp in d.items()] for d in c.logprobs]
+            prompt_logprobs = None
+            if output.prompt_logprobs is not None and c.index == 0:
+                # With choice 0's first token, in its chunk: a resume then knows from choice
+                # 0's emitted tokens whether they were sent (see `LLMEngine.add_request`).
+                prompt_logprobs = [
+                    None if d is None else [[t, lp.logprob, lp.rank] for t, lp in d.items()]
+                    for d in output.prompt_logprobs
+                ]
+            chunk = f.chunk(
+                index=c.index,
+                token_ids=list(c.token_ids),
+                text=c.text,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            batch.chunks.append((key, chunk))
+            num_new, last = num_new + len(c.token_ids), chunk
+        if num_new:
+            if f.last_token_s is None:
+                metrics.time_to_first_token_seconds.observe(max(0.0, now - f.enqueued_s))
+            else:
+                metrics.inter_token_latency_seconds.observe(now - f.last_token_s)
+            f.last_token_s = now
+            f.completion_tokens += num_new
+            metrics.generation_tokens.inc(num_new)
+        if output.finished:
+            if last is None:  # resumed with every choice done: only the usage chunk is due
+                batch.chunks.append((key, f.chunk()))
+            reason = last.finish_reason if last is not None else FinishReason.STOP
+            self._finish(f, batch, len(output.prompt_token_ids), reason)
+
+    def _on_aborted(self, event: RequestAborted, batch: Batch) -> None:
+        f = self.inflight.get(event.request_id)
+        if f is None:
+            return
+        key = f.request.response_key
+        if event.reason == "deadline":
+            batch.chunks.append((key, f.chunk(finish_reason="error", error="deadline exceeded")))
+        else:
+            for index in event.open_indices or [0]:
+                batch.chunks.append((key, f.chunk(index=index, finish_reason=FinishReason.ABORT)))
+        self._finish(f, batch, event.prompt_tokens, event.reason)
+
+    def _on_failed(self, event: RequestFailed, batch: Batch) -> None:
+        f = self.inflight.pop(event.request_id, None)
+        if f is None:
+            return
+        f.log.warning("request failed", reason=event.error)
+        batch.chunks.append(
+            (f.request.response_key, f.chunk(finish_reason="error", error=event.error))
+        )
+        if event.dead_letter:
+            batch.dead.append((f.entry_id, f.data, event.error))
+        batch.acks.append(f.entry_id)
+        batch.done.append(event.request_id)
+
+    def _finish(self, f: Inflight, batch: Batch, prompt_tokens: int, reason: str) -> None:
+        """Put usage on the request's last chunk and schedule its XACK after it is stored."""
+        batch.chunks[-1][1].usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": f.completion_tokens,
+            "total_tokens": prompt_tokens + f.completion_tokens,
+        }
+        del self.inflight[f.request.request_id]
+        batch.acks.append(f.entry_id)
+        batch.done.append(f.request.request_id)
+        metrics.prompt_tokens.inc(prompt_tokens)
+        metrics.request_success.labels(finished_reason=reason).inc()
+        metrics.e2e_request_latency_seconds.observe(max(0.0, time.time() - f.enqueued_s))
+        f.log.info("request finished", reason=reason, completion_tokens=f.completion_tokens)
