@@ -7,16 +7,35 @@ The public API matches vLLM's, so code can switch between the two:
 from engine.chat_template import apply_chat_template
 from engine.config import EngineConfig
 from engine.llm_engine import LLM, LLMEngine
+from engine.loader import load_tokenizer, resolve_model
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.request import SamplingParams
+from engine.request import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+    SamplingField,
+    SamplingParams,
+    sampling_fields,
+    value_kinds,
+)
 
 __all__ = [
     "LLM",
+    "MAX_ABS_LOGIT_BIAS",
+    "MAX_LOGPROBS",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_LEN",
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
     "Logprob",
     "RequestOutput",
+    "SamplingField",
     "SamplingParams",
     "apply_chat_template",
+    "load_tokenizer",
+    "resolve_model",
+    "sampling_fields",
+    "value_kinds",
 ]
