@@ -29,7 +29,12 @@ from queueing.schema import (
     WorkerInfo,
     check_prompt_logprobs_size,
 )
-from service.middleware import RETRY_AFTER_NO_WORKER_S, STATUS_CLIENT_GONE, redis_unavailable
+from service.middleware import (
+    RETRY_AFTER_NO_WORKER_S,
+    STATUS_CLIENT_GONE,
+    redis_unavailable,
+    retry_later,
+)
 from service.openai_protocol import (
     ApiError,
     ParsedRequest,
@@ -88,12 +93,12 @@ class ApiState:
         """The smallest max_model_len of the live workers; 503 when none is alive."""
         live = await self.workers.live()
         if not live:
-            raise ApiError(
+            raise retry_later(
                 503,
                 "No worker is serving requests; try again later",
-                type="service_unavailable_error",
-                code="no_worker",
-                headers={"Retry-After": str(RETRY_AFTER_NO_WORKER_S)},
+                "service_unavailable_error",
+                "no_worker",
+                RETRY_AFTER_NO_WORKER_S,
             )
         return min(w.max_model_len for w in live)
 
@@ -165,12 +170,12 @@ def _check_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -
 
 async def _check_backlog(state: ApiState) -> None:
     if await state.client.backlog() >= state.settings.max_pending:
-        raise ApiError(
+        raise retry_later(
             429,
             "Too many requests are waiting; try again later",
-            type="rate_limit_error",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": str(RETRY_AFTER_BUSY_S)},
+            "rate_limit_error",
+            "rate_limit_exceeded",
+            RETRY_AFTER_BUSY_S,
         )
 
 

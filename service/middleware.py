@@ -44,13 +44,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return await _api_error(request, error)
 
 
+def retry_later(status: int, message: str, type: str, code: str, after_s: int) -> ApiError:
+    """An error the client should retry after `after_s` (Retry-After)."""
+    return ApiError(status, message, type=type, code=code, headers={"Retry-After": str(after_s)})
+
+
 def redis_unavailable(message: str) -> ApiError:
-    return ApiError(
-        503,
-        message,
-        type="service_unavailable_error",
-        code="redis_unavailable",
-        headers={"Retry-After": str(RETRY_AFTER_NO_WORKER_S)},
+    return retry_later(
+        503, message, "service_unavailable_error", "redis_unavailable", RETRY_AFTER_NO_WORKER_S
     )
 
 
