@@ -7,12 +7,26 @@ The public API matches vLLM's, so code can switch between the two:
 from engine.chat_template import apply_chat_template
 from engine.config import EngineConfig
 from engine.llm_engine import LLM, LLMEngine
-from engine.loader import served_model_name
+from engine.loader import load_tokenizer, resolve_model
 from engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput, UnfinishedRequest
-from engine.request import FinishReason, SamplingParams
+from engine.request import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+    FinishReason,
+    SamplingField,
+    SamplingParams,
+    sampling_fields,
+    value_kinds,
+)
 
 __all__ = [
     "LLM",
+    "MAX_ABS_LOGIT_BIAS",
+    "MAX_LOGPROBS",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_LEN",
     "CompletionOutput",
     "EngineConfig",
     "EngineStats",
@@ -20,8 +34,12 @@ __all__ = [
     "LLMEngine",
     "Logprob",
     "RequestOutput",
+    "SamplingField",
     "SamplingParams",
     "UnfinishedRequest",
     "apply_chat_template",
-    "served_model_name",
+    "load_tokenizer",
+    "resolve_model",
+    "sampling_fields",
+    "value_kinds",
 ]

@@ -54,14 +54,6 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     return path
 
 
-def served_model_name(model: str | os.PathLike[str] | None) -> str:
-    """The name clients use for `model` (the API's `model` field, workers' heartbeats)."""
-    if model is None:
-        return "SmolLM2-135M-Instruct"
-    path = Path(model)
-    return path.stem if path.suffix == ".gguf" else path.name
-
-
 def load_model(
     model_dir: Path,
     dtype: torch.dtype,

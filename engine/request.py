@@ -9,8 +9,13 @@ scheduler's decisions are arithmetic on them. Only the scheduler changes `status
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
+import types
+import typing
 from dataclasses import dataclass, field
+from typing import Any
 
 # Bounds that keep one request from exhausting the engine; the service enforces the same.
 MAX_N = 128
@@ -18,34 +23,46 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_LOGIT_BIAS = 1024
+MAX_ABS_LOGIT_BIAS = 100
+
+
+def _bounded(default: object, why: str | None = None, **bounds: float) -> Any:
+    """A scalar field with its range as JSON Schema keywords (`minimum`, `maximum`,
+    `exclusiveMinimum`); `why` replaces the error text derived from them."""
+    return field(default=default, metadata={"bounds": bounds, "why": why})
 
 
 @dataclass
 class SamplingParams:
     """How to sample one request's completions (vLLM/OpenAI semantics).
 
-    Validated on construction: a bad value raises `ValueError` naming the field.
+    Validated on construction: a bad value raises `ValueError` naming the field. The fields,
+    their types and the ranges in their metadata are the one definition the wire schema, the
+    OpenAI parser and the OpenAPI document derive theirs from (see `sampling_fields`).
     """
 
-    n: int = 1
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # (0, 1]
-    top_k: int = -1  # -1 or 0 = all tokens
-    min_p: float = 0.0  # [0, 1]
+    n: int = _bounded(1, minimum=1, maximum=MAX_N)
+    temperature: float = _bounded(1.0, minimum=0)  # 0 = greedy
+    top_p: float = _bounded(1.0, exclusiveMinimum=0, maximum=1)
+    top_k: int = _bounded(-1, "must be -1 (disabled) or >= 0", minimum=-1)  # -1, 0 = all tokens
+    min_p: float = _bounded(0.0, minimum=0, maximum=1)
     seed: int | None = None  # per-request generator: same seed, same text, whatever the batch
-    max_tokens: int | None = 16  # None = up to max_model_len
-    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
+    max_tokens: int | None = _bounded(16, minimum=1)  # None = up to max_model_len
+    # EOS and stop_token_ids are masked until this many tokens exist
+    min_tokens: int = _bounded(0, "must be >= 0", minimum=0)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    presence_penalty: float = 0.0  # [-2, 2], on output tokens
-    frequency_penalty: float = 0.0  # [-2, 2], on output tokens
-    repetition_penalty: float = 1.0  # > 0, on prompt and output tokens
-    logprobs: int | None = None  # top-N logprobs per sampled token (plus the sampled one)
+    presence_penalty: float = _bounded(0.0, minimum=-2, maximum=2)  # on output tokens
+    frequency_penalty: float = _bounded(0.0, minimum=-2, maximum=2)  # on output tokens
+    # on prompt and output tokens
+    repetition_penalty: float = _bounded(1.0, exclusiveMinimum=0, maximum=2)
+    # top-N logprobs per sampled token (plus the sampled one)
+    logprobs: int | None = _bounded(None, minimum=0, maximum=MAX_LOGPROBS)
     # top-N logprobs per prompt position (plus the prompt's own token); such a request takes
     # no prefix-cache hits, as every prompt position needs its logits
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = _bounded(None, minimum=0, maximum=MAX_LOGPROBS)
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
     skip_special_tokens: bool = True
 
@@ -69,62 +86,43 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
-        check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]")
-        check(_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
-        check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "must be -1 (disabled) or >= 0")
-        check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        check(self.seed is None or _is_int(self.seed), "seed", "must be an integer")
-        check(
-            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-            "max_tokens",
-            "must be an integer >= 1",
-        )
-        check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
-        check(
-            self.max_tokens is None or self.min_tokens <= self.max_tokens,
-            "min_tokens",
-            "must not exceed max_tokens",
-        )
-        check(
-            len(self.stop) <= MAX_STOP_STRINGS
-            and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN for s in self.stop),
-            "stop",
-            f"must be at most {MAX_STOP_STRINGS} non-empty strings of <= {MAX_STOP_STRING_LEN} "
-            "chars",
-        )
-        check(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids",
-            "must be non-negative integers",
-        )
-        for name in ("presence_penalty", "frequency_penalty"):
-            check(
-                _is_num(getattr(self, name)) and -2 <= getattr(self, name) <= 2,
-                name,
-                "must be in [-2, 2]",
-            )
-        check(
-            _is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 2,
-            "repetition_penalty",
-            "must be in (0, 2]",
-        )
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            check(
-                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
-                name,
-                f"must be an integer in [0, {MAX_LOGPROBS}]",
-            )
-        check(
-            self.logit_bias is None
-            or (
-                len(self.logit_bias) <= MAX_LOGIT_BIAS
-                and all(k >= 0 and -100 <= v <= 100 for k, v in self.logit_bias.items())
-            ),
-            "logit_bias",
-            f"must map at most {MAX_LOGIT_BIAS} token ids to biases in [-100, 100]",
-        )
+        for spec in sampling_fields().values():
+            value = getattr(self, spec.name)
+            if spec.kinds in ((int,), (int, float)):  # the numbers: type and range
+                check(spec.admits(value), spec.name, spec.why)
+            elif spec.name == "stop":
+                check(
+                    len(value) <= MAX_STOP_STRINGS
+                    and all(
+                        isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN for s in value
+                    ),
+                    "stop",
+                    f"must be at most {MAX_STOP_STRINGS} non-empty strings of "
+                    f"<= {MAX_STOP_STRING_LEN} chars",
+                )
+            elif spec.name == "stop_token_ids":
+                check(
+                    all(_is_int(t) and t >= 0 for t in value),
+                    "stop_token_ids",
+                    "must be non-negative integers",
+                )
+            elif spec.name == "logit_bias":
+                check(
+                    value is None
+                    or (
+                        len(value) <= MAX_LOGIT_BIAS
+                        and all(k >= 0 and abs(v) <= MAX_ABS_LOGIT_BIAS for k, v in value.items())
+                    ),
+                    "logit_bias",
+                    f"must map at most {MAX_LOGIT_BIAS} token ids to biases in "
+                    f"[-{MAX_ABS_LOGIT_BIAS}, {MAX_ABS_LOGIT_BIAS}]",
+                )
+            if spec.name == "min_tokens":
+                check(
+                    self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                    "min_tokens",
+                    "must not exceed max_tokens",
+                )
 
     @property
     def is_greedy(self) -> bool:
@@ -139,12 +137,78 @@ class SamplingParams:
         )
 
 
+@dataclass(frozen=True)
+class SamplingField:
+    """One `SamplingParams` field as the service needs it: the Python types a value may have
+    (an int passes for a float; None apart), whether None is allowed, and its range."""
+
+    name: str
+    kinds: tuple[type, ...]
+    nullable: bool
+    bounds: dict[str, float]  # JSON Schema keywords: minimum, maximum, exclusiveMinimum
+    why: str  # a number's error text when it is out of range or of the wrong type
+
+    def admits(self, value: object) -> bool:
+        """`value` has one of the kinds (None when nullable) and lies within the bounds."""
+        if value is None:
+            return self.nullable
+        if not isinstance(value, self.kinds) or (
+            isinstance(value, bool) and bool not in self.kinds
+        ):
+            return False
+        if value != value:  # NaN
+            return False
+        low, high = self.bounds.get("minimum"), self.bounds.get("maximum")
+        above = self.bounds.get("exclusiveMinimum")
+        return (
+            (low is None or value >= low)
+            and (high is None or value <= high)
+            and (above is None or value > above)
+        )
+
+
+def value_kinds(annotation: Any) -> tuple[tuple[type, ...], bool]:
+    """The Python types a value of a dataclass field annotated `annotation` may have, as
+    isinstance() takes them, and whether None is allowed: `int | None` -> ((int,), True),
+    `float` -> ((int, float), False) (JSON and msgpack write 1.0 as 1), `list[int]` -> list."""
+    members = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else ()
+    kinds: list[type] = []
+    for member in members or (annotation,):
+        if member is type(None):
+            continue
+        origin = typing.get_origin(member) or member
+        kinds += [int, float] if origin is float else [origin]
+    return tuple(dict.fromkeys(kinds)), type(None) in members
+
+
+@functools.cache
+def sampling_fields() -> dict[str, SamplingField]:
+    """Every `SamplingParams` field by name, in declaration order."""
+    hints = typing.get_type_hints(SamplingParams)
+    specs = {}
+    for f in dataclasses.fields(SamplingParams):
+        kinds, nullable = value_kinds(hints[f.name])
+        bounds = f.metadata.get("bounds", {})
+        specs[f.name] = SamplingField(
+            f.name, kinds, nullable, bounds, f.metadata.get("why") or _why(kinds, bounds)
+        )
+    return specs
+
+
+def _why(kinds: tuple[type, ...], bounds: dict[str, float]) -> str:
+    """ "must be an integer in [1, 128]", "must be in (0, 1]", "must be >= 0"..."""
+    if not bounds:
+        return "must be a number" if float in kinds else "must be an integer"
+    what = "an integer " if float not in kinds else ""
+    low = bounds.get("minimum", bounds.get("exclusiveMinimum"))
+    if "maximum" not in bounds:
+        return f"must be {what}>= {low}"
+    opening = "[" if "minimum" in bounds else "("
+    return f"must be {what}in {opening}{low}, {bounds['maximum']}]"
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
 
 
 def check_prompt_len(num_prompt_tokens: int, max_model_len: int) -> None:

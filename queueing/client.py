@@ -11,7 +11,8 @@ BLOCK expires; instead `subscribe` appends to the reader's private wake stream
 once. Appending (rather than `CLIENT UNBLOCK`) has no race: an entry added before the XREAD
 is sent makes it return immediately.
 
-`SyncKvrailClient` does the same with one blocking XREAD per stream, for scripts.
+The client owns every Redis call the API makes, so the API speaks in requests, streams and
+workers, never in keys.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import redis
@@ -253,7 +254,8 @@ class ResponseReader:
 
 
 class KvrailClient:
-    """Asyncio producer client: `submit`, `stream`, `abort`, `workers`, `backlog`.
+    """Asyncio producer client: `submit`, `stream`, `abort`, `workers`, `backlog`, `ping`,
+    and the SSE shape of a streaming request (`save_sse_shape`, `sse_shape`).
 
     Use as `async with KvrailClient(url) as client:`; `aclose()` stops the reader and closes
     the connections.
@@ -335,6 +337,18 @@ class KvrailClient:
         finally:
             self.reader.unsubscribe(sub)
 
+    async def save_sse_shape(self, request_id: str, shape: str, ttl_s: int) -> None:
+        """Keep how `request_id`'s SSE response is shaped (JSON), for a client resuming it."""
+        await self.redis.set(keys.sse(request_id), shape, ex=ttl_s)
+
+    async def sse_shape(self, request_id: str) -> bytes | None:
+        """The shape saved by `save_sse_shape`; None when unknown or expired."""
+        return await self.redis.get(keys.sse(request_id))
+
+    async def ping(self) -> None:
+        """Raise the Redis error unless Redis answers."""
+        await self.redis.ping()
+
     async def abort(self, request_id: str) -> None:
         """Broadcast an Abort on the control stream and mark the request aborted."""
         state_key = keys.request_state(request_id)
@@ -390,74 +404,3 @@ def _decode_workers(values: list[bytes | None]) -> list[WorkerInfo]:
         except SchemaError as e:
             logger.warning("skipping a bad worker heartbeat: %s", e)
     return workers
-
-
-class SyncKvrailClient:
-    """Blocking client for scripts: `submit`, `iterate`, `abort`, `workers`."""
-
-    def __init__(self, redis_url: str, chunk_timeout_s: float = DEFAULT_CHUNK_TIMEOUT_S) -> None:
-        self.redis = redis.Redis.from_url(redis_url, protocol=2, socket_timeout=5.0)
-        # Blocking reads need no socket timeout; each BLOCK is short instead.
-        self._blocking_redis = redis.Redis.from_url(redis_url, protocol=2, socket_timeout=None)
-        self.chunk_timeout_s = chunk_timeout_s
-
-    def close(self) -> None:
-        self.redis.close()
-        self._blocking_redis.close()
-
-    def __enter__(self) -> SyncKvrailClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def submit(self, request: GenerateRequest) -> str:
-        """Validate and append `request` to the request stream; returns its id."""
-        request.validate()
-        self.redis.xadd(keys.requests, {"data": request.encode()})
-        return request.request_id
-
-    def iterate(
-        self, request_id: str, after_seq: int = -1, reply_to: str | None = None
-    ) -> Iterator[TokenChunk]:
-        """As `KvrailClient.stream`: chunks after `after_seq` in order, ending after the last."""
-        key = reply_to or keys.response(request_id)
-        tracker = SeqTracker(request_id, after_seq)
-        last_id = "0-0"
-        deadline = time.monotonic() + self.chunk_timeout_s
-        while not tracker.finished:
-            if time.monotonic() > deadline:
-                raise StreamTimeout(
-                    f"request {request_id}: no chunk for {self.chunk_timeout_s:g} s"
-                )
-            reply = self._blocking_redis.xread({key: last_id}, count=_READ_COUNT, block=1000)
-            for _, entries in reply or []:
-                for entry_id, fields in entries:
-                    last_id = entry_id
-                    chunk = _decode_chunk(fields)
-                    if isinstance(chunk, Exception):
-                        raise chunk
-                    if tracker.accept(chunk):
-                        deadline = time.monotonic() + self.chunk_timeout_s
-                        yield chunk
-                    if tracker.finished:
-                        return
-
-    def abort(self, request_id: str) -> None:
-        """Broadcast an Abort on the control stream and mark the request aborted."""
-        state_key = keys.request_state(request_id)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(
-            keys.control,
-            {"data": Abort(request_id).encode()},
-            maxlen=CONTROL_MAXLEN,
-            approximate=True,
-        )
-        pipe.hset(state_key, "aborted", 1)
-        pipe.expire(state_key, REQUEST_STATE_TTL_S)
-        pipe.execute()
-
-    def workers(self) -> list[WorkerInfo]:
-        """The workers whose heartbeat key is alive."""
-        names = list(self.redis.scan_iter(match=keys.worker("*"), count=1000))
-        return _decode_workers(self.redis.mget(names)) if names else []

@@ -18,10 +18,14 @@ unknown version, a missing or mistyped field, an unknown field or an oversize va
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar
+import functools
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
 
 import msgpack
+
+from engine import sampling_fields, value_kinds
 
 VERSION = 1
 MAX_MESSAGE_BYTES = 4 << 20  # a whole encoded message
@@ -33,34 +37,34 @@ NAMESPACE = "kvrail:"
 
 
 class keys:  # a namespace of key builders, lower-case like a module
-    requests = "kvrail:requests"
+    requests = NAMESPACE + "requests"
     group = "engines"
-    control = "kvrail:control"
-    dead = "kvrail:dead"
+    control = NAMESPACE + "control"
+    dead = NAMESPACE + "dead"
 
     @staticmethod
     def response(request_id: str) -> str:
-        return f"kvrail:resp:{request_id}"
+        return f"{NAMESPACE}resp:{request_id}"
 
     @staticmethod
     def request_state(request_id: str) -> str:
-        return f"kvrail:req:{request_id}"
+        return f"{NAMESPACE}req:{request_id}"
 
     @staticmethod
     def worker(name: str) -> str:
-        return f"kvrail:worker:{name}"
+        return f"{NAMESPACE}worker:{name}"
 
     @staticmethod
     def wake(reader_id: str) -> str:
-        return f"kvrail:wake:{reader_id}"
+        return f"{NAMESPACE}wake:{reader_id}"
 
     @staticmethod
     def sse(request_id: str) -> str:
-        return f"kvrail:sse:{request_id}"
+        return f"{NAMESPACE}sse:{request_id}"
 
     @staticmethod
     def reader(reader_id: str) -> str:
-        return f"kvrail:reader:{reader_id}"
+        return f"{NAMESPACE}reader:{reader_id}"
 
 
 class SchemaError(ValueError):
@@ -80,34 +84,26 @@ def check_prompt_logprobs_size(num_prompt_tokens: int, num_logprobs: int) -> Non
         )
 
 
+def _accepted(kinds: tuple[type, ...], nullable: bool) -> tuple[type, ...]:
+    return (*kinds, type(None)) if nullable else kinds
+
+
 # Sampling fields accepted on the wire, with their types (validated again by SamplingParams).
 SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
-    "n": (int,),
-    "temperature": (int, float),
-    "top_p": (int, float),
-    "top_k": (int,),
-    "min_p": (int, float),
-    "seed": (int, type(None)),
-    "max_tokens": (int, type(None)),
-    "min_tokens": (int,),
-    "stop": (list,),
-    "stop_token_ids": (list,),
-    "include_stop_str_in_output": (bool,),
-    "ignore_eos": (bool,),
-    "presence_penalty": (int, float),
-    "frequency_penalty": (int, float),
-    "repetition_penalty": (int, float),
-    "logprobs": (int, type(None)),
-    "prompt_logprobs": (int, type(None)),
-    "logit_bias": (dict, type(None)),
-    "skip_special_tokens": (bool,),
+    name: _accepted(spec.kinds, spec.nullable) for name, spec in sampling_fields().items()
 }
+
+
+def _check_type(owner: str, name: str, value: Any, types: tuple[type, ...]) -> None:
+    # msgpack's true/false must not pass as the integers Python considers them.
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise SchemaError(f"{owner} {name!r} has type {type(value).__name__}")
 
 
 @dataclass
 class _Message:
-    TYPES: ClassVar[dict[str, tuple[type, ...]]] = {}
-    REQUIRED: ClassVar[tuple[str, ...]] = ()
+    """A wire message: its fields and their types are the dataclass's, its required fields
+    those without a default."""
 
     def encode(self) -> bytes:
         return msgpack.packb({"v": VERSION, **asdict(self)}, use_bin_type=True)
@@ -128,22 +124,34 @@ class _Message:
         if obj.get("v") != VERSION:
             raise SchemaError(f"{cls.__name__}: unsupported version {obj.get('v')!r}")
         obj = {k: v for k, v in obj.items() if k != "v"}
-        unknown = sorted(set(obj) - {f.name for f in fields(cls)})
+        types = _field_types(cls)
+        unknown = sorted(set(obj) - set(types))
         if unknown:
             raise SchemaError(f"{cls.__name__}: unknown field(s) {unknown}")
-        for name in cls.REQUIRED:
+        for name in _required(cls):
             if name not in obj:
                 raise SchemaError(f"{cls.__name__}: missing field {name!r}")
         for name, value in obj.items():
-            types = cls.TYPES[name]
-            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-                raise SchemaError(f"{cls.__name__}: field {name!r} has type {type(value).__name__}")
+            _check_type(f"{cls.__name__}: field", name, value, types[name])
         message = cls(**obj)
         message.validate()
         return message
 
     def validate(self) -> None:
         """Checks beyond types; raise SchemaError."""
+
+
+@functools.cache
+def _field_types(cls: type[_Message]) -> dict[str, tuple[type, ...]]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: _accepted(*value_kinds(hints[f.name])) for f in fields(cls)}
+
+
+@functools.cache
+def _required(cls: type[_Message]) -> tuple[str, ...]:
+    return tuple(
+        f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+    )
 
 
 def _check_id(value: str, name: str) -> None:
@@ -162,17 +170,6 @@ class GenerateRequest(_Message):
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
     reply_to: str | None = None  # response stream; None = keys.response(request_id)
     deadline_ms: int | None = None  # unix ms after which the request is finished with an error
-
-    TYPES: ClassVar = {
-        "request_id": (str,),
-        "prompt": (str, type(None)),
-        "prompt_token_ids": (list, type(None)),
-        "messages": (list, type(None)),
-        "sampling": (dict,),
-        "reply_to": (str, type(None)),
-        "deadline_ms": (int, type(None)),
-    }
-    REQUIRED: ClassVar = ("request_id",)
 
     def validate(self) -> None:
         _check_id(self.request_id, "request_id")
@@ -200,8 +197,7 @@ class GenerateRequest(_Message):
             types = SAMPLING_FIELDS.get(name)
             if types is None:
                 raise SchemaError(f"unknown sampling field {name!r}")
-            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-                raise SchemaError(f"sampling field {name!r} has type {type(value).__name__}")
+            _check_type("sampling field", name, value, types)
         if self.reply_to is not None and not self.reply_to.startswith(NAMESPACE + "resp:"):
             raise SchemaError(f"reply_to must name a stream under '{NAMESPACE}resp:'")
 
@@ -235,21 +231,6 @@ class TokenChunk(_Message):
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
     error: str | None = None
 
-    TYPES: ClassVar = {
-        "request_id": (str,),
-        "seq": (int,),
-        "index": (int,),
-        "token_ids": (list,),
-        "text": (str,),
-        "logprobs": (list, type(None)),
-        "prompt_logprobs": (list, type(None)),
-        "finish_reason": (str, type(None)),
-        "stop_reason": (int, str, type(None)),
-        "usage": (dict, type(None)),
-        "error": (str, type(None)),
-    }
-    REQUIRED: ClassVar = ("request_id", "seq")
-
     @property
     def is_last(self) -> bool:
         """The request is complete after this chunk."""
@@ -261,9 +242,6 @@ class Abort(_Message):
     """Broadcast on `kvrail:control`: whichever worker holds the request aborts it."""
 
     request_id: str
-
-    TYPES: ClassVar = {"request_id": (str,)}
-    REQUIRED: ClassVar = ("request_id",)
 
     def validate(self) -> None:
         _check_id(self.request_id, "request_id")
@@ -281,15 +259,3 @@ class WorkerInfo(_Message):
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
-
-    TYPES: ClassVar = {
-        "name": (str,),
-        "model": (str,),
-        "max_model_len": (int,),
-        "started_ms": (int,),
-        "heartbeat_ms": (int,),
-        "num_running": (int,),
-        "num_waiting": (int,),
-        "kv_cache_usage": (float, int),
-    }
-    REQUIRED: ClassVar = ("name", "model", "max_model_len", "started_ms", "heartbeat_ms")

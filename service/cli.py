@@ -3,6 +3,7 @@
 `serve` is the single-machine setup: an embedded Redis (unless REDIS_URL names one), one
 worker and the API in one process and one event loop, so `/metrics` shows both sides.
 `worker` and `api` are the same parts as separate programs, to scale each on its own.
+The environment is read once, into `service.settings.Settings`, before a command runs.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import argparse
 import asyncio
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from engine import envs
+from service.settings import Settings
 
 ENGINE_OPTIONS = {
     "device": str,
@@ -34,7 +36,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=envs.KVRAIL_MODEL, help="HF folder or .gguf file")
+    parser.add_argument("--model", default=None, help="HF folder or .gguf file (KVRAIL_MODEL)")
     for name, kind in ENGINE_OPTIONS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
 
@@ -51,31 +53,32 @@ def _on_signals(callback) -> None:
         loop.add_signal_handler(sig, callback)
 
 
-async def _load_worker(args: argparse.Namespace, redis_url: str):
+async def _load_worker(args: argparse.Namespace, redis_url: str, settings: Settings):
     from service.engine_thread import load_engine
     from service.worker import Worker
 
     engine = await load_engine(model=args.model, **_engine_kwargs(args))
-    return Worker(engine, redis_url, args.name, model_name=getattr(args, "served_model_name", None))
+    model_name = getattr(args, "served_model_name", None)
+    return Worker(engine, redis_url, args.name, model_name=model_name, settings=settings)
 
 
-async def _worker_main(args: argparse.Namespace) -> None:
+async def _worker_main(args: argparse.Namespace, settings: Settings) -> None:
     if args.metrics_port:
         from prometheus_client import start_http_server
 
         from service.metrics import REGISTRY
 
         start_http_server(args.metrics_port, registry=REGISTRY)
-    worker = await _load_worker(args, _require_redis_url())
+    worker = await _load_worker(args, _require_redis_url(settings), settings)
     _on_signals(worker.stop)
     await worker.run()
 
 
-async def _api_main(args: argparse.Namespace) -> None:
+async def _api_main(args: argparse.Namespace, settings: Settings) -> None:
     from service.api import build_api_server
 
     server = await build_api_server(
-        args.host, args.port, _require_redis_url(), args.model,
+        args.host, args.port, _require_redis_url(settings), args.model, settings,
         served_model_name=args.served_model_name,
     )  # fmt: skip
 
@@ -86,18 +89,23 @@ async def _api_main(args: argparse.Namespace) -> None:
     await server.serve()
 
 
-async def _serve_main(args: argparse.Namespace) -> None:
+async def _serve_main(args: argparse.Namespace, settings: Settings) -> None:
     from queueing.redis_server import EmbeddedRedis
     from service.api import build_api_server
 
-    redis_url, embedded = envs.REDIS_URL, None
+    redis_url, embedded = settings.redis_url, None
     if redis_url is None:
         embedded = await asyncio.to_thread(EmbeddedRedis(appendonly=True).start)
         redis_url = embedded.url
     try:
-        worker = await _load_worker(args, redis_url)
+        worker = await _load_worker(args, redis_url, settings)
         server = await build_api_server(
-            args.host, args.port, redis_url, args.model, served_model_name=args.served_model_name
+            args.host,
+            args.port,
+            redis_url,
+            args.model,
+            settings,
+            served_model_name=args.served_model_name,
         )
 
         def stop() -> None:
@@ -114,15 +122,15 @@ async def _serve_main(args: argparse.Namespace) -> None:
             embedded.cleanup()
 
 
-def _require_redis_url() -> str:
-    if envs.REDIS_URL is None:
+def _require_redis_url(settings: Settings) -> str:
+    if settings.redis_url is None:
         sys.exit(
             "REDIS_URL is not set (kvrail serve starts an embedded Redis; worker/api need one)"
         )
-    return envs.REDIS_URL
+    return settings.redis_url
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _generate(args: argparse.Namespace, settings: Settings) -> int:
     from engine import LLM, SamplingParams
 
     llm = LLM(model=args.model, **_engine_kwargs(args))
@@ -137,14 +145,19 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_async(main) -> int:
-    import uvloop
+def _run_async(main: Callable[..., Awaitable[None]]) -> Callable[..., int]:
+    """The command for `main(args, settings)`: logging configured, run on uvloop."""
 
-    from service.logging import configure_logging
+    def run(args: argparse.Namespace, settings: Settings) -> int:
+        import uvloop
 
-    configure_logging()
-    uvloop.run(main)
-    return 0
+        from service.logging import configure_logging
+
+        configure_logging(settings)
+        uvloop.run(main(args, settings))
+        return 0
+
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,18 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(serve)
     _add_http_options(serve)
     serve.add_argument("--name", default=None, help="worker name in the consumer group")
-    serve.set_defaults(func=lambda a: _run_async(_serve_main(a)))
+    serve.set_defaults(func=_run_async(_serve_main))
 
     worker = sub.add_parser("worker", help="serve the request stream of REDIS_URL")
     _add_engine_options(worker)
     worker.add_argument("--name", default=None, help="consumer name (default host-pid)")
     worker.add_argument("--metrics-port", type=int, default=None, help="Prometheus port")
-    worker.set_defaults(func=lambda a: _run_async(_worker_main(a)))
+    worker.set_defaults(func=_run_async(_worker_main))
 
     api = sub.add_parser("api", help="the OpenAI-compatible HTTP API on REDIS_URL")
-    api.add_argument("--model", default=envs.KVRAIL_MODEL, help="for its tokenizer and name")
+    api.add_argument("--model", default=None, help="for its tokenizer and name (KVRAIL_MODEL)")
     _add_http_options(api)
-    api.set_defaults(func=lambda a: _run_async(_api_main(a)))
+    api.set_defaults(func=_run_async(_api_main))
 
     gen = sub.add_parser("generate", help="answer one prompt offline, without Redis")
     _add_engine_options(gen)
@@ -181,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    settings = Settings.from_env()
+    args.model = args.model or settings.model
+    return args.func(args, settings)
 
 
 if __name__ == "__main__":

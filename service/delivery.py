@@ -1,7 +1,7 @@
 """Delivery: which stream entry a worker serves, resumes, or answers without generating.
 
-`kvrail:req:{id}` records which stream entry owns a request id (design.md). Another entry with
-the same id is a duplicate: acknowledged without generating. The owning entry read again
+`kvrail:req:{id}` records which stream entry owns a request id (docs/architecture.md). Another
+entry with the same id is a duplicate: acknowledged without generating. The owning entry read again
 (claimed from a dead worker, or pending at restart) resumes: the chunks already stored give
 each choice's emitted tokens, the engine recomputes them, `seq` continues after the last. An
 entry that will not be generated is rejected: an error chunk where there is a `Reply` to send

@@ -1,5 +1,5 @@
 """structlog setup shared by the kvrail processes: JSON lines when stderr is not a terminal
-(containers, log shippers), readable console lines on a terminal; level from `envs`.
+(containers, log shippers), readable console lines on a terminal; level from the settings.
 
 The standard-library loggers (the engine's `kvrail.engine`, uvicorn) are rendered by the same
 processors, so every line has one format. Bind per-request context with
@@ -13,15 +13,14 @@ import sys
 
 import structlog
 
-from engine import envs
+from service.settings import Settings
 
 
-def configure_logging() -> None:
+def configure_logging(settings: Settings) -> None:
     """Configure structlog and the root logger once per process (idempotent)."""
-    as_json = envs.KVRAIL_LOG_JSON
+    as_json = settings.log_json
     if as_json is None:
         as_json = not sys.stderr.isatty()
-    level = logging.getLevelName(envs.KVRAIL_LOG_LEVEL)
     shared = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_logger_name,
@@ -48,4 +47,4 @@ def configure_logging() -> None:
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level if isinstance(level, int) else logging.INFO)
+    root.setLevel(settings.logging_level)

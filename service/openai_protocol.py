@@ -14,22 +14,18 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
-from engine.request import MAX_LOGPROBS, SamplingParams
+from engine import MAX_LOGPROBS, SamplingParams, sampling_fields
 from queueing.schema import TokenChunk
 
 Kind = Literal["chat", "completion"]
 _MISSING = object()
-# Sampling fields shared by both endpoints, by the JSON type they must have.
-_NUMBER_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-)
-_INT_FIELDS = ("n", "top_k", "min_tokens", "seed", "prompt_logprobs")
-_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+# Sampling fields each parsed in their own way: max_tokens and logprobs differ between the
+# endpoints, the others take more than a JSON type check.
+PARSED_APART = ("max_tokens", "logprobs", "stop", "stop_token_ids", "logit_bias")
+# The other sampling fields, shared by both endpoints, by the JSON types they may have.
+_PLAIN_FIELDS = {
+    name: spec.kinds for name, spec in sampling_fields().items() if name not in PARSED_APART
+}
 
 
 class ApiError(Exception):
@@ -125,12 +121,8 @@ def check_model(body: dict[str, Any], served_model: str, required: bool = True) 
 
 def _parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int) -> dict:
     sampling: dict[str, Any] = {"max_tokens": max_tokens}
-    for name in _NUMBER_FIELDS:
-        sampling[name] = get_field(body, name, (int, float))
-    for name in _INT_FIELDS:
-        sampling[name] = get_field(body, name, (int,))
-    for name in _BOOL_FIELDS:
-        sampling[name] = get_field(body, name, (bool,))
+    for name, kinds in _PLAIN_FIELDS.items():
+        sampling[name] = get_field(body, name, kinds)
     stop = get_field(body, "stop", (str, list))
     if isinstance(stop, str):
         stop = [stop]

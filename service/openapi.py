@@ -1,15 +1,15 @@
 """The hand-written OpenAPI 3.1 document of `service.api`, served at `GET /openapi.json`.
 
 Request schemas state the limits the handlers enforce (so a fuzzer's valid inputs are
-accepted), and every operation lists the error statuses it can answer, each with the OpenAI
-error body.
+accepted), the sampling fields' types and ranges taken from `SamplingParams`, and every
+operation lists the error statuses it can answer, each with the OpenAI error body.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from engine.request import MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+from engine import MAX_ABS_LOGIT_BIAS, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, sampling_fields
 
 _REF = "#/components/schemas/"
 
@@ -34,33 +34,37 @@ _STOP = {
         {"type": "null"},
     ]
 }
+_JSON_TYPES = {int: "integer", float: "number", bool: "boolean"}
+
+
+def _sampling_field(name: str) -> dict[str, Any]:
+    """A scalar `SamplingParams` field's schema: its JSON type and its range."""
+    spec = sampling_fields()[name]
+    schema = {"type": _JSON_TYPES[spec.kinds[-1]], **spec.bounds}
+    return _nullable(schema) if spec.nullable else schema
+
+
 _SAMPLING = {
     "model": {"type": "string"},
-    "max_tokens": _nullable({"type": "integer", "minimum": 1}),
-    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N},
-    "temperature": {"type": "number", "minimum": 0},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"type": "integer", "minimum": -1},
-    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-    "seed": _nullable({"type": "integer"}),
-    "min_tokens": {"type": "integer", "minimum": 0},
+    **{
+        name: _sampling_field(name)
+        for name, spec in sampling_fields().items()
+        # logprobs: a number on /v1/completions, a boolean on /v1/chat/completions
+        if set(spec.kinds) <= _JSON_TYPES.keys() and name != "logprobs"
+    },
     "stop": _STOP,
     "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}}),
-    "include_stop_str_in_output": {"type": "boolean"},
-    "ignore_eos": {"type": "boolean"},
-    "skip_special_tokens": {"type": "boolean"},
-    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 2},
     "logit_bias": _nullable(
         {
             "type": "object",
             "propertyNames": {"pattern": "^[0-9]+$"},
-            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "additionalProperties": {
+                "type": "number",
+                "minimum": -MAX_ABS_LOGIT_BIAS,
+                "maximum": MAX_ABS_LOGIT_BIAS,
+            },
         }
     ),
-    # vLLM's: top-N logprobs of every prompt position (above 0: not with stream=true)
-    "prompt_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
     "stream": {"type": "boolean"},
     "stream_options": _nullable(
         {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}
@@ -109,7 +113,7 @@ _COMPLETION_REQUEST = {
                 {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1},
             ]
         },
-        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+        "logprobs": _sampling_field("logprobs"),
         "echo": {"type": "boolean", "const": False},
         "best_of": {"type": "null"},
     },
@@ -143,9 +147,9 @@ _CHAT_REQUEST = {
     "properties": {
         **_SAMPLING,
         "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
-        "max_completion_tokens": _nullable({"type": "integer", "minimum": 1}),
+        "max_completion_tokens": _sampling_field("max_tokens"),
         "logprobs": {"type": "boolean"},
-        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS}),
+        "top_logprobs": _sampling_field("logprobs"),
     },
 }
 # vLLM's prompt_logprobs: null at position 0, then per position the prompt's token and the

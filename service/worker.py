@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from engine import LLMEngine, envs, served_model_name
+from engine import LLMEngine
 from queueing import streams
 from queueing.schema import Abort, SchemaError, keys
 from service.delivery import Delivery, Inflight
@@ -35,6 +35,7 @@ from service.engine_thread import STOP, AbortCommand, EngineEvent, EngineThread
 from service.heartbeat import Heartbeat
 from service.output_processor import OutputProcessor
 from service.publisher import RETRY_MAX_S, Backoff, Publisher
+from service.settings import Settings, served_model_name
 
 log = structlog.get_logger("kvrail.worker")
 
@@ -55,14 +56,17 @@ class Worker:
         response_ttl_s: int | None = None,
         read_block_ms: int = 1000,
         max_inflight: int = 256,
+        settings: Settings | None = None,
     ) -> None:
-        self.name = name or envs.KVRAIL_WORKER_NAME or f"{socket.gethostname()}-{os.getpid()}"
+        # Arguments win over `settings` (`kvrail worker` passes the process's, read once).
+        settings = settings or Settings.from_env()
+        self.name = name or settings.worker_name or f"{socket.gethostname()}-{os.getpid()}"
         self.model_name = model_name or served_model_name(engine.config.model)
-        self.claim_idle_ms = claim_idle_ms or envs.KVRAIL_CLAIM_IDLE_MS
+        self.claim_idle_ms = claim_idle_ms or settings.claim_idle_ms
         self.shutdown_grace_s = (
-            envs.KVRAIL_SHUTDOWN_GRACE_S if shutdown_grace_s is None else shutdown_grace_s
+            settings.shutdown_grace_s if shutdown_grace_s is None else shutdown_grace_s
         )
-        response_ttl_s = response_ttl_s or envs.KVRAIL_RESPONSE_TTL_S
+        response_ttl_s = response_ttl_s or settings.response_ttl_s
         self.max_inflight = max_inflight
         # Held entries are touched several times per claim window, so a live worker's long
         # request never looks idle to another worker's XAUTOCLAIM.

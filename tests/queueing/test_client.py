@@ -1,4 +1,4 @@
-"""KvrailClient / SyncKvrailClient against a real Redis, with chunks written by a real producer."""
+"""KvrailClient against a real Redis, with chunks written by a real producer."""
 
 from __future__ import annotations
 
@@ -7,15 +7,9 @@ import time
 
 import pytest
 import pytest_asyncio
-import redis
 import redis.asyncio as aioredis
 
-from queueing.client import (
-    KvrailClient,
-    SeqGapError,
-    StreamTimeout,
-    SyncKvrailClient,
-)
+from queueing.client import KvrailClient, SeqGapError, StreamTimeout
 from queueing.schema import Abort, GenerateRequest, TokenChunk, WorkerInfo, keys
 
 
@@ -175,18 +169,3 @@ async def test_backlog_counts_undelivered_and_pending(client):
     assert await client.backlog() == 3  # one pending, two undelivered
     await client.redis.xack(keys.requests, keys.group, reply[0][1][0][0])
     assert await client.backlog() == 2
-
-
-def test_sync_client_round_trip(redis_url):
-    with SyncKvrailClient(redis_url, chunk_timeout_s=5.0) as client:
-        client.submit(GenerateRequest("sync-1", prompt="hello"))
-        producer = redis.Redis.from_url(redis_url)
-        for seq in (0, 1, 1, 2):
-            chunk = TokenChunk("sync-1", seq, usage={"x": 1} if seq == 2 else None)
-            producer.xadd(keys.response("sync-1"), {"data": chunk.encode()})
-        assert [c.seq for c in client.iterate("sync-1")] == [0, 1, 2]
-        assert [c.seq for c in client.iterate("sync-1", after_seq=0)] == [1, 2]
-        client.abort("sync-1")
-        assert producer.xlen(keys.control) == 1
-        assert client.workers() == []
-        producer.close()

@@ -21,6 +21,7 @@ from queueing.client import DEFAULT_MAX_CONNECTIONS
 from queueing.schema import TokenChunk, keys
 from service import metrics
 from service.api import create_app
+from service.settings import Settings
 from tests.engine.tiny_models import make_tiny_model
 from tests.reliability.harness import open_fds
 from tests.service.test_api import Api
@@ -38,7 +39,7 @@ async def test_disconnect_storm_aborts_all_and_leaks_nothing(tmp_path, redis_url
         model=model, max_model_len=512, num_kv_blocks=256, block_size=16, max_num_seqs=16
     )
     probe = aioredis.Redis.from_url(redis_url)
-    app = create_app(redis_url, "llama", model, api_key="", worker_cache_s=0.0)
+    app = create_app(redis_url, "llama", model, Settings(), worker_cache_s=0.0)
     async with serving(engine, redis_url, claim_idle_ms=2000) as worker, Api(app) as api:
         while not await probe.exists(keys.worker(worker.name)):  # first heartbeat
             await asyncio.sleep(0.05)

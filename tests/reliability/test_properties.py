@@ -8,6 +8,7 @@ valid one or raises `SchemaError`. Random `SamplingParams` arguments either cons
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import msgpack
@@ -29,7 +30,9 @@ from service.delivery import _peek_request_id
 
 MESSAGES = [GenerateRequest, TokenChunk, Abort, WorkerInfo]
 FIELD_NAMES = sorted(
-    {f for m in MESSAGES for f in m.TYPES} | set(SAMPLING_FIELDS) | {"v", "role", "content"}
+    {f.name for m in MESSAGES for f in dataclasses.fields(m)}
+    | set(SAMPLING_FIELDS)
+    | {"v", "role", "content"}
 )
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

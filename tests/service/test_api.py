@@ -23,6 +23,7 @@ from engine.loader import load_tokenizer, resolve_model
 from queueing.redis_server import free_port
 from queueing.schema import Abort, GenerateRequest, TokenChunk, WorkerInfo, keys
 from service.api import create_app
+from service.settings import Settings
 
 MODEL = "kvrail-test-model"
 MAX_MODEL_LEN = 2048
@@ -133,12 +134,13 @@ class Api:
 
 @pytest_asyncio.fixture
 async def start_api(redis_url, tokenizer_dir):
-    """Start an API with the given create_app options; returns (base url, http client)."""
+    """Start an API with the given settings; returns (base url, http client)."""
     stack = contextlib.AsyncExitStack()
 
-    async def start(**options: Any) -> httpx.AsyncClient:
-        options.setdefault("worker_cache_s", 0.0)
-        app = create_app(redis_url, MODEL, tokenizer_dir, **options)
+    async def start(worker_cache_s: float = 0.0, **settings: Any) -> httpx.AsyncClient:
+        app = create_app(
+            redis_url, MODEL, tokenizer_dir, Settings(**settings), worker_cache_s=worker_cache_s
+        )
         api = await stack.enter_async_context(Api(app))
         return await stack.enter_async_context(httpx.AsyncClient(base_url=api.url, timeout=10))
 

@@ -19,6 +19,7 @@ from queueing.schema import (
     keys,
 )
 from service.api import create_app
+from service.settings import Settings
 from tests.service.conftest import ENGINE_KWARGS
 from tests.service.test_api import Api, assert_error, parse_sse
 from tests.service.test_worker import GREEDY, PROMPT, read_chunks, serving, submit
@@ -36,7 +37,7 @@ def offline(model_dir):
 @pytest_asyncio.fixture
 async def http(engine, model_dir, redis_url):
     """The API app and a real worker, both on the test's Redis."""
-    app = create_app(redis_url, MODEL, model_dir, api_key="", worker_cache_s=0.0)
+    app = create_app(redis_url, MODEL, model_dir, Settings(), worker_cache_s=0.0)
     async with (
         serving(engine, redis_url),
         Api(app) as api,

@@ -1,0 +1,288 @@
+"""The generation path of `service.api`: from a parsed OpenAI request to its answer.
+
+A request is tokenized here (the API loads only the tokenizer), checked against the live
+workers' `max_model_len` and the backlog, submitted to the workers through `KvrailClient`, and
+answered from its response stream as one JSON object or as SSE events. A client that goes
+away before the last chunk has its request aborted. `ApiState` is what every handler shares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.exceptions import RedisError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine import apply_chat_template
+from queueing.client import KvrailClient, RedisDataLost, StreamError, StreamTimeout
+from queueing.schema import (
+    GenerateRequest,
+    SchemaError,
+    TokenChunk,
+    WorkerInfo,
+    check_prompt_logprobs_size,
+)
+from service.middleware import (
+    RETRY_AFTER_NO_WORKER_S,
+    STATUS_CLIENT_GONE,
+    redis_unavailable,
+    retry_later,
+)
+from service.openai_protocol import (
+    ApiError,
+    ParsedRequest,
+    StreamEvents,
+    StreamShape,
+    TokenStrings,
+    build_response,
+)
+from service.settings import Settings
+from service.sse import EventStreamResponse, wait_for_disconnect
+
+RETRY_AFTER_BUSY_S = 1
+
+
+class WorkerView:
+    """The live workers, re-read from Redis at most every `ttl_s` (SCAN is O(keyspace)).
+
+    An empty read is never reused: a worker that has just come up must be served at once,
+    or a client that saw `/health` turn 200 would get a 503 for the rest of the window."""
+
+    def __init__(self, client: KvrailClient, ttl_s: float) -> None:
+        self._client = client
+        self._ttl_s = ttl_s
+        self._workers: list[WorkerInfo] = []
+        self._read_at = float("-inf")
+
+    async def live(self) -> list[WorkerInfo]:
+        if not self._workers or time.monotonic() - self._read_at >= self._ttl_s:
+            self._workers = await self._client.workers()
+            self._read_at = time.monotonic()
+        return self._workers
+
+
+@dataclass
+class ApiState:
+    """Everything the handlers share; built by `create_app`, opened by its lifespan."""
+
+    model_name: str
+    tokenizer: Any
+    settings: Settings
+    max_model_len: int | None  # used when no worker reports one (/tokenize only)
+    worker_cache_s: float
+    started: int = field(default_factory=lambda: int(time.time()))
+    client: KvrailClient = field(init=False)
+    workers: WorkerView = field(init=False)
+    token_str: TokenStrings = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_str = TokenStrings(self.tokenizer)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    async def serving_max_model_len(self) -> int:
+        """The smallest max_model_len of the live workers; 503 when none is alive."""
+        live = await self.workers.live()
+        if not live:
+            raise retry_later(
+                503,
+                "No worker is serving requests; try again later",
+                "service_unavailable_error",
+                "no_worker",
+                RETRY_AFTER_NO_WORKER_S,
+            )
+        return min(w.max_model_len for w in live)
+
+
+def state_of(request: Request) -> ApiState:
+    return request.app.state.api
+
+
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object; 413 past `max_bytes` (declared or streamed), else 400."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise _too_large(max_bytes)
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"The body is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, "The body must be a JSON object")
+    return value
+
+
+def _too_large(max_bytes: int) -> ApiError:
+    return ApiError(413, f"The body exceeds {max_bytes} bytes", code="request_too_large")
+
+
+async def _prompt_token_ids(state: ApiState, parsed: ParsedRequest) -> list[int]:
+    tokenizer = state.tokenizer
+
+    def tokenize() -> list[int]:
+        if parsed.prompt_token_ids is not None:
+            return parsed.prompt_token_ids
+        if parsed.prompt is not None:
+            return tokenizer(parsed.prompt).input_ids
+        return apply_chat_template(tokenizer, parsed.messages)[1]
+
+    try:
+        return await asyncio.to_thread(tokenize)
+    except ApiError:
+        raise
+    except Exception as e:  # a chat template can raise anything (jinja, its own checks)
+        param = "messages" if parsed.kind == "chat" else "prompt"
+        raise ApiError(400, f"Cannot tokenize the {param}: {e}", param=param) from None
+
+
+def _check_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -> None:
+    if prompt_len >= max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt "
+            f"has {prompt_len} tokens",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt "
+            f"({prompt_len}) plus max_tokens ({max_tokens}) exceeds it",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
+async def _check_backlog(state: ApiState) -> None:
+    if await state.client.backlog() >= state.settings.max_pending:
+        raise retry_later(
+            429,
+            "Too many requests are waiting; try again later",
+            "rate_limit_error",
+            "rate_limit_exceeded",
+            RETRY_AFTER_BUSY_S,
+        )
+
+
+async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
+    """Check capacity, submit, and answer as one JSON object or as an SSE stream."""
+    state = state_of(request)
+    prompt_ids = await _prompt_token_ids(state, parsed)
+    _check_length(
+        len(prompt_ids), parsed.sampling["max_tokens"], await state.serving_max_model_len()
+    )
+    if parsed.sampling.get("prompt_logprobs") is not None:
+        try:
+            check_prompt_logprobs_size(len(prompt_ids), parsed.sampling["prompt_logprobs"])
+        except SchemaError as e:
+            raise ApiError(400, str(e), param="prompt_logprobs") from None
+    await _check_backlog(state)
+    generate = GenerateRequest(
+        parsed.request_id, prompt_token_ids=prompt_ids, sampling=parsed.sampling
+    )
+    try:
+        generate.validate()
+    except SchemaError as e:
+        raise ApiError(400, str(e)) from None
+    if not parsed.stream:
+        await state.client.submit(generate)
+        return await _answer_whole(request, state, parsed, len(prompt_ids))
+    shape = StreamShape(
+        parsed.kind,
+        parsed.request_id,
+        state.model_name,
+        parsed.created,
+        parsed.include_usage,
+        len(prompt_ids),
+    )
+    # Kept for `/v1/streams/{id}`, which must shape a resumed stream the same way.
+    await state.client.save_sse_shape(
+        parsed.request_id, shape.to_json(), state.settings.response_ttl_s
+    )
+    await state.client.submit(generate)
+    return event_stream(state, shape, after_seq=-1)
+
+
+async def _answer_whole(
+    request: Request, state: ApiState, parsed: ParsedRequest, prompt_tokens: int
+) -> Response:
+    """Collect every chunk, aborting the request if the client disconnects first."""
+    collect = asyncio.create_task(_collect(state.client.stream(parsed.request_id)))
+    gone = asyncio.create_task(wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():
+            collect.cancel()
+    if not collect.done() or collect.cancelled():
+        await _abort(state, parsed.request_id)
+        return Response(status_code=STATUS_CLIENT_GONE)
+    try:
+        chunks = collect.result()
+    except StreamError as e:
+        await _abort(state, parsed.request_id)
+        raise _stream_failure(e) from None
+    last = chunks[-1]
+    if last.error is not None:
+        raise ApiError(500, last.error, type="server_error", code="worker_error")
+    body = build_response(parsed, state.model_name, chunks, prompt_tokens, state.token_str)
+    return JSONResponse(body)
+
+
+async def _abort(state: ApiState, request_id: str) -> None:
+    """Abort a request, best effort: with Redis down the abort cannot be sent, and raising
+    here would replace the answer the client is owed (the error) with a broken response."""
+    with contextlib.suppress(RedisError):
+        await state.client.abort(request_id)
+
+
+async def _collect(chunks: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
+    return [chunk async for chunk in chunks]
+
+
+def _stream_failure(error: StreamError) -> ApiError:
+    if isinstance(error, StreamTimeout):
+        return ApiError(504, str(error), type="timeout_error", code="worker_timeout")
+    if isinstance(error, RedisDataLost):
+        return redis_unavailable(str(error))
+    return ApiError(500, str(error), type="server_error", code="stream_error")
+
+
+def event_stream(state: ApiState, shape: StreamShape, after_seq: int) -> EventStreamResponse:
+    """The SSE response for `shape.request_id`'s chunks after `after_seq`, ending [DONE]."""
+    finished = False
+
+    async def events() -> AsyncIterator[str]:
+        nonlocal finished
+        shaper = StreamEvents(shape, state.token_str, send_roles=after_seq < 0)
+        try:
+            async for chunk in state.client.stream(shape.request_id, after_seq):
+                for event in shaper.for_chunk(chunk):
+                    yield event
+        except StreamError as e:
+            await _abort(state, shape.request_id)
+            yield StreamEvents.error(_stream_failure(e))
+        finished = True
+        yield StreamEvents.done()
+
+    async def abort_unless_finished() -> None:
+        if not finished:
+            await _abort(state, shape.request_id)
+
+    return EventStreamResponse(events(), abort_unless_finished)

@@ -1,0 +1,164 @@
+"""The API's request handlers, one per route, and the routes themselves.
+
+Generation (`/v1/completions`, `/v1/chat/completions`, `/v1/streams/{id}`) hands over to
+`service.generation`; the rest answer from the tokenizer, the worker heartbeats and Redis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from engine import apply_chat_template
+from service import metrics
+from service.generation import ApiState, event_stream, read_json, serve_generation, state_of
+from service.middleware import redis_unavailable
+from service.openai_protocol import (
+    ApiError,
+    StreamShape,
+    check_model,
+    get_field,
+    parse_chat,
+    parse_completion,
+    parse_messages,
+)
+from service.openapi import openapi_document
+
+
+async def completions(request: Request) -> Response:
+    state = state_of(request)
+    body = await read_json(request, state.settings.max_body_bytes)
+    return await serve_generation(
+        request, parse_completion(body, state.model_name, state.vocab_size)
+    )
+
+
+async def chat_completions(request: Request) -> Response:
+    state = state_of(request)
+    body = await read_json(request, state.settings.max_body_bytes)
+    return await serve_generation(request, parse_chat(body, state.model_name, state.vocab_size))
+
+
+async def resume_stream(request: Request) -> Response:
+    """Re-attach to a streaming request: the chunks after `Last-Event-ID` (default: all)."""
+    state = state_of(request)
+    request_id = request.path_params["request_id"]
+    last_event_id = request.headers.get("last-event-id", "-1").strip()
+    try:
+        after_seq = int(last_event_id)
+    except ValueError:
+        raise ApiError(400, "Last-Event-ID must be an integer seq", param="Last-Event-ID") from None
+    if after_seq < -1:
+        raise ApiError(400, "Last-Event-ID must be >= -1", param="Last-Event-ID")
+    stored = await state.client.sse_shape(request_id)
+    if stored is None:
+        raise ApiError(404, f"No stream for request '{request_id}' (unknown or expired)")
+    return event_stream(state, StreamShape.from_json(stored), after_seq)
+
+
+async def list_models(request: Request) -> Response:
+    state = state_of(request)
+    live = await state.workers.live()
+    max_model_len = min((w.max_model_len for w in live), default=state.max_model_len)
+    model = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.started,
+        "owned_by": "kvrail",
+        "root": state.model_name,
+        "parent": None,
+        "max_model_len": max_model_len,
+    }
+    return JSONResponse({"object": "list", "data": [model]})
+
+
+async def health(request: Request) -> Response:
+    """200 when Redis answers and a worker heartbeat is alive, else 503."""
+    state = state_of(request)
+    try:
+        await state.client.ping()
+        live = await state.workers.live()
+    except Exception as e:  # any Redis failure means unhealthy, whatever its type
+        raise redis_unavailable(f"Redis is unreachable: {e}") from None
+    if not live:
+        await state.serving_max_model_len()  # raises the 503
+    return JSONResponse({"status": "ok", "workers": len(live)})
+
+
+async def prometheus_metrics(request: Request) -> Response:
+    return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+async def tokenize(request: Request) -> Response:
+    """vLLM's /tokenize: a `prompt` (special tokens added) or chat `messages` (templated)."""
+    state = state_of(request)
+    body = await read_json(request, state.settings.max_body_bytes)
+    check_model(body, state.model_name, required=False)
+    if "messages" in body:
+        tokens = await _tokenize_messages(state, body)
+    else:
+        prompt = get_field(body, "prompt", (str,))
+        if prompt is None:
+            raise ApiError(400, "'prompt' or 'messages' is required", param="prompt")
+        add_special = get_field(body, "add_special_tokens", (bool,), True)
+        tokens = state.tokenizer(prompt, add_special_tokens=add_special).input_ids
+    strs = None
+    if get_field(body, "return_token_strs", (bool,), False):
+        strs = state.tokenizer.convert_ids_to_tokens(tokens)
+    live = await state.workers.live()
+    return JSONResponse(
+        {
+            "count": len(tokens),
+            "max_model_len": min((w.max_model_len for w in live), default=state.max_model_len),
+            "tokens": tokens,
+            "token_strs": strs,
+        }
+    )
+
+
+async def _tokenize_messages(state: ApiState, body: dict[str, Any]) -> list[int]:
+    messages = parse_messages(body["messages"])
+    add_generation_prompt = get_field(body, "add_generation_prompt", (bool,), True)
+    add_special = get_field(body, "add_special_tokens", (bool,), False)
+    try:
+        return apply_chat_template(
+            state.tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            add_special_tokens=add_special,
+        )[1]
+    except Exception as e:  # a chat template can raise anything
+        raise ApiError(400, f"Cannot apply the chat template: {e}", param="messages") from None
+
+
+async def detokenize(request: Request) -> Response:
+    state = state_of(request)
+    body = await read_json(request, state.settings.max_body_bytes)
+    check_model(body, state.model_name, required=False)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < state.vocab_size for t in tokens
+    ):
+        raise ApiError(400, "'tokens' must be an array of token ids", param="tokens")
+    return JSONResponse({"prompt": state.tokenizer.decode(tokens)})
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(openapi_document(state_of(request).model_name))
+
+
+ROUTES = [
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/streams/{request_id}", resume_stream, methods=["GET"]),
+    Route("/health", health, methods=["GET"]),
+    Route("/metrics", prometheus_metrics, methods=["GET"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/openapi.json", openapi, methods=["GET"]),
+]

@@ -1,0 +1,126 @@
+"""The service's settings: every environment variable the worker, the API and the CLI read.
+
+The engine reads only its own (`engine.envs`); what configures Redis, the HTTP API, the
+worker's consumer and the logs belongs to the service and is read here, once per process:
+`Settings.from_env()` parses and checks every variable, and a bad value stops the process at
+startup with an error naming the variable, not at the first request that needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class SettingsError(ValueError):
+    """A setting with a value it cannot take; the text names the environment variable."""
+
+
+def _number(raw: str) -> float:
+    value = float(raw)
+    if not math.isfinite(value):
+        raise ValueError(raw)
+    return value
+
+
+def _bool(raw: str) -> bool:
+    if raw.lower() not in _TRUE + _FALSE:
+        raise ValueError(raw)
+    return raw.lower() in _TRUE
+
+
+def _setting(
+    env: str,
+    default: Any,
+    parse: Callable[[str], Any] = str,
+    check: Callable[[Any], bool] | None = None,
+    why: str = "",
+) -> Any:
+    """A field read from `env` by `parse` (unset or empty: `default`), then held to `check`."""
+    return field(default=default, metadata={"env": env, "parse": parse, "check": check, "why": why})
+
+
+def _positive_int(env: str, default: int) -> Any:
+    return _setting(env, default, int, lambda v: v > 0, "must be a positive integer")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The service's configuration, one field per environment variable (named in each)."""
+
+    # Redis holding the streams; unset: `kvrail serve` starts an embedded one.
+    redis_url: str | None = _setting("REDIS_URL", None)
+    # When set, the API requires `Authorization: Bearer <key>`.
+    api_key: str | None = _setting("KVRAIL_API_KEY", None)
+    # Model for `kvrail worker|serve|api` when --model is not given (HF folder or .gguf).
+    model: str | None = _setting("KVRAIL_MODEL", None)
+    # Consumer name in the group; unset: host-pid.
+    worker_name: str | None = _setting("KVRAIL_WORKER_NAME", None)
+    log_level: str = _setting(
+        "KVRAIL_LOG_LEVEL",
+        "INFO",
+        str.upper,
+        lambda v: v in _LOG_LEVELS,
+        f"must be one of {', '.join(_LOG_LEVELS)}",
+    )
+    # JSON logs (true) or readable (false); unset: readable on a terminal, JSON otherwise.
+    log_json: bool | None = _setting("KVRAIL_LOG_JSON", None, _bool)
+    # Seconds a response stream lives after its last chunk.
+    response_ttl_s: int = _positive_int("KVRAIL_RESPONSE_TTL_S", 600)
+    # A pending request entry idle this long is taken over from a dead worker.
+    claim_idle_ms: int = _positive_int("KVRAIL_CLAIM_IDLE_MS", 15_000)
+    # On SIGTERM, how long in-flight requests may run before being left to other workers.
+    shutdown_grace_s: float = _setting(
+        "KVRAIL_SHUTDOWN_GRACE_S", 30.0, _number, lambda v: v >= 0, "must be a number >= 0"
+    )
+    max_body_bytes: int = _positive_int("KVRAIL_MAX_BODY_BYTES", 1 << 20)
+    # The API answers 429 once this many requests wait undelivered or unacknowledged.
+    max_pending: int = _positive_int("KVRAIL_MAX_PENDING", 1024)
+    # A response stream silent this long (no chunk) fails with a timeout and is aborted.
+    stream_timeout_s: float = _setting(
+        "KVRAIL_STREAM_TIMEOUT_S", 120.0, _number, lambda v: v > 0, "must be a number > 0"
+    )
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value, check = getattr(self, f.name), f.metadata["check"]
+            if value is not None and check is not None and not check(value):
+                raise SettingsError(f"{f.metadata['env']} {f.metadata['why']}, got {value!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Settings:
+        """The settings from `environ`: an unset or empty variable keeps its default."""
+        values = {}
+        for f in fields(cls):
+            env = f.metadata["env"]
+            raw = environ.get(env, "")
+            if raw == "":
+                continue
+            try:
+                values[f.name] = f.metadata["parse"](raw)
+            except ValueError:
+                kind = {int: "an integer", _number: "a number", _bool: "a boolean"}
+                expected = kind.get(f.metadata["parse"], "valid")
+                raise SettingsError(f"{env} must be {expected}, got {raw!r}") from None
+        return cls(**values)
+
+    @property
+    def logging_level(self) -> int:
+        return logging.getLevelNamesMapping()[self.log_level]
+
+
+def served_model_name(model: str | os.PathLike[str] | None) -> str:
+    """The name clients use for `model` (the API's `model` field, workers' heartbeats)."""
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name

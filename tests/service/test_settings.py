@@ -1,0 +1,51 @@
+"""`Settings.from_env`: every variable parsed and checked at startup, an error naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.settings import Settings, SettingsError, served_model_name
+
+
+def test_unset_or_empty_variables_keep_the_defaults():
+    assert Settings.from_env({}) == Settings()
+    assert Settings.from_env({"KVRAIL_MAX_PENDING": "", "REDIS_URL": ""}) == Settings()
+
+
+def test_values_are_parsed_by_type():
+    settings = Settings.from_env(
+        {
+            "REDIS_URL": "redis://r:6379/0",
+            "KVRAIL_LOG_LEVEL": "debug",
+            "KVRAIL_LOG_JSON": "off",
+            "KVRAIL_MAX_PENDING": "7",
+            "KVRAIL_STREAM_TIMEOUT_S": "2.5",
+            "KVRAIL_SHUTDOWN_GRACE_S": "0",
+        }
+    )
+    assert settings.redis_url == "redis://r:6379/0"
+    assert (settings.log_level, settings.log_json) == ("DEBUG", False)
+    assert (settings.max_pending, settings.stream_timeout_s) == (7, 2.5)
+    assert settings.shutdown_grace_s == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"KVRAIL_MAX_PENDING": "many"}, "KVRAIL_MAX_PENDING must be an integer, got 'many'"),
+        ({"KVRAIL_MAX_PENDING": "0"}, "KVRAIL_MAX_PENDING must be a positive integer, got 0"),
+        ({"KVRAIL_STREAM_TIMEOUT_S": "nan"}, "KVRAIL_STREAM_TIMEOUT_S must be a number"),
+        ({"KVRAIL_SHUTDOWN_GRACE_S": "-1"}, "KVRAIL_SHUTDOWN_GRACE_S must be a number >= 0"),
+        ({"KVRAIL_LOG_JSON": "maybe"}, "KVRAIL_LOG_JSON must be a boolean, got 'maybe'"),
+        ({"KVRAIL_LOG_LEVEL": "loud"}, "KVRAIL_LOG_LEVEL must be one of DEBUG"),
+    ],
+)
+def test_a_bad_value_names_its_variable(env, message):
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_env(env)
+
+
+def test_served_model_name():
+    assert served_model_name("/models/SmolLM2-360M-Instruct") == "SmolLM2-360M-Instruct"
+    assert served_model_name("/models/smol.Q8_0.gguf") == "smol.Q8_0"
+    assert served_model_name(None) == "SmolLM2-135M-Instruct"
