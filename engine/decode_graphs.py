@@ -2,7 +2,10 @@
 
 A decode step runs a few hundred small kernels. On CUDA, launching them one by one is a CPU
 cost that bounds decode throughput; on the CPU, each is a Python call and an OpenMP fork and
-join (measured: TODO ms of a 1-token step of SmolLM2-135M). Replaying a graph, a CUDA graph
+join (measured on a 2-vCPU AVX2 EPYC in fp32, one request of SmolLM2-135M,
+`benchmarks.profile_step --num-requests 1 --attention-backends cpu` with and without
+`--enforce-eager`: 52.9 ms per 1-token step eagerly, 18.8 of them in Python, against 24.8 ms
+with the graph, 1.2 in Python). Replaying a graph, a CUDA graph
 or a `engine.kernels.cpu_runtime.CpuGraph`, runs them all in one call. Graphs read fixed
 addresses, so each step's inputs are copied into persistent buffers; a batch is padded up to
 its bucket with rows that write no KV (slot -1) and attend to nothing (seq_len 0). Steps with

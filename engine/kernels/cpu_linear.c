@@ -20,11 +20,12 @@
  *   M = 1). Each output is a dot product along k (AVX512-BF16 vdpbf16ps where present),
  *   tiles of 4 rows x 4 columns, reduced horizontally once per tile.
  *
- * Without AVX512-VNNI / AVX512-BF16 the same loops run in portable C (what gcc vectorizes
- * for the machine), so every machine computes the same results, only slower.
+ * Without AVX512-VNNI, AVX2 multiplies the int8 panels through int16 (vpmaddwd); without
+ * either, and for the float kernel without AVX512-BF16, the same loops run in portable C
+ * (what gcc vectorizes for the machine), so every machine computes the same results.
  */
 #include <math.h>
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -83,6 +84,48 @@ static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, i
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nt; j++)
             _mm512_storeu_si512((void *)(acc + (i * MAX_NT + j) * PANEL), sums[i][j]);
+#elif defined(__AVX2__)
+    /* AVX2 has no u8 x s8 dot product that cannot saturate (vpmaddubsw saturates its int16
+     * pair sums), so bytes are widened to int16 and multiplied by vpmaddwd: a panel's k
+     * group is 4 vectors of 4 columns x 4 k, each int32 lane sums 2 of a column's 4 products,
+     * and the pairs are added once, after the last group (vphaddd). Two rows at a time: 8
+     * accumulators, the 4 weight vectors and one activation vector fit in 16 registers.
+     * Measured on a 2-vCPU AVX2 EPYC (`python -m benchmarks.linear_kernels`, the 121 matmuls
+     * of a SmolLM2 pass), against the portable loop: M = 1 18.0 -> 12.2 ms, M = 8 92.7 ->
+     * 19.7 ms, M = 64 657 -> 152 ms, M = 256 2,403 -> 574 ms; torch's fp32 matmul there: 27,
+     * 55, 187, 662 ms. */
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    for (int j = 0; j < nt; j++) {
+        const int8_t *wp = w + j * panel_bytes;
+        for (int i0 = 0; i0 < mr; i0 += 2) {
+            const int rows = mr - i0 < 2 ? mr - i0 : 2;
+            __m256i sums[2][4];
+            for (int i = 0; i < rows; i++)
+                for (int q = 0; q < 4; q++) sums[i][q] = _mm256_setzero_si256();
+            for (int64_t g = 0; g < num_groups; g++) {
+                __m256i b[4];
+                for (int q = 0; q < 4; q++)
+                    b[q] = _mm256_cvtepi8_epi16(
+                        _mm_loadu_si128((const __m128i *)(wp + g * 64 + q * 16)));
+                for (int i = 0; i < rows; i++) {
+                    int32_t four;
+                    memcpy(&four, xq + (i0 + i) * stride_xq + g * KGROUP, sizeof four);
+                    const __m256i a =
+                        _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128(four)));
+                    for (int q = 0; q < 4; q++)
+                        sums[i][q] = _mm256_add_epi32(sums[i][q], _mm256_madd_epi16(a, b[q]));
+                }
+            }
+            for (int i = 0; i < rows; i++) {
+                int32_t *dst = acc + ((i0 + i) * MAX_NT + j) * PANEL;
+                for (int h = 0; h < 2; h++) {
+                    const __m256i pairs = _mm256_hadd_epi32(sums[i][2 * h], sums[i][2 * h + 1]);
+                    _mm256_storeu_si256((__m256i *)(dst + 8 * h),
+                                        _mm256_permutevar8x32_epi32(pairs, order));
+                }
+            }
+        }
+    }
 #else
     for (int i = 0; i < mr; i++)
         for (int c = 0; c < nt * PANEL; c++) acc[i * MAX_NT * PANEL + c] = 0;

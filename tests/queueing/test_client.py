@@ -169,3 +169,20 @@ async def test_backlog_counts_undelivered_and_pending(client):
     assert await client.backlog() == 3  # one pending, two undelivered
     await client.redis.xack(keys.requests, keys.group, reply[0][1][0][0])
     assert await client.backlog() == 2
+
+
+@pytest.mark.asyncio
+async def test_round_trip_drops_repeats_resumes_and_aborts(client, redis_url):
+    """What the blocking client's test checked (it was folded away with that client): a
+    repeated chunk is yielded once, `after_seq` resumes, `abort` broadcasts one Abort."""
+    await client.submit(GenerateRequest("sync-1", prompt="hello"))
+    producer = aioredis.Redis.from_url(redis_url)
+    for seq in (0, 1, 1, 2):
+        chunk = TokenChunk("sync-1", seq, usage={"x": 1} if seq == 2 else None)
+        await producer.xadd(keys.response("sync-1"), {"data": chunk.encode()})
+    assert [c.seq async for c in client.stream("sync-1")] == [0, 1, 2]
+    assert [c.seq async for c in client.stream("sync-1", after_seq=0)] == [1, 2]
+    await client.abort("sync-1")
+    assert await producer.xlen(keys.control) == 1
+    assert await client.workers() == []
+    await producer.aclose()

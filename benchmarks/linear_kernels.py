@@ -1,0 +1,124 @@
+"""The CPU's linear layers side by side: torch's matmul, kvrail's C float and C W8A8 kernels.
+
+Unquantized steps of at most `engine.models.layers.CPU_FLOAT_KERNEL_MAX_TOKENS` tokens run the
+C float kernel (and can then be recorded into a CPU graph); larger ones run torch's matmul
+(oneDNN). `quantization="int8"` runs the C W8A8 kernel at every size. This times one forward
+pass's worth of the model's linear layers (the engine's fused shapes: qkv, o, gate_up, down
+per layer, then the LM head) each way at each `--num-tokens`, alternating the systems within
+each round, and reports the medians and their ratios to torch's matmul.
+
+    python -m benchmarks.linear_kernels --num-tokens 1,2,4,8,16,32,64,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from typing import Any
+
+from benchmarks.common import fmt, markdown_table, write_results
+
+SYSTEMS = ("torch matmul", "C float", "C int8")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
+    add("--num-tokens", default="1,2,4,8,16,32,64,256", help="rows per matmul (M)")
+    add("--dtype", default="auto", help="float32, bfloat16 or auto (the engine's choice)")
+    add("--rounds", type=int, default=5)
+    add("--name", default="linear_kernels")
+    args = parser.parse_args(argv)
+    args.num_tokens = [int(m) for m in args.num_tokens.split(",")]
+    return args
+
+
+def engine_shapes(config: Any) -> list[tuple[int, int, int]]:
+    """(in, out, count) of the engine's fused linear layers in one forward pass."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q_out = config.num_attention_heads * head_dim
+    kv_out = config.num_key_value_heads * head_dim
+    layers = config.num_hidden_layers
+    return [
+        (hidden, q_out + 2 * kv_out, layers),  # qkv
+        (q_out, hidden, layers),  # o
+        (hidden, 2 * inter, layers),  # gate_up
+        (inter, hidden, layers),  # down
+        (hidden, config.vocab_size, 1),  # LM head
+    ]
+
+
+def time_pass(run: Any, work: list[tuple[Any, dict[str, Any], int]], system: str) -> float:
+    """Seconds of one forward pass's linear layers: each shape run `count` times."""
+    start = time.perf_counter()
+    for x, weights, count in work:
+        for _ in range(count):
+            run(x, weights[system])
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoConfig
+
+    from engine import resolve_model
+    from engine.kernels.cpu_linear import linear_float, linear_w8a8, pack_int8
+    from engine.kernels.int8_ref import quantize_rows_int8
+    from engine.model_runner import resolve_dtype
+
+    config = AutoConfig.from_pretrained(resolve_model(args.model))
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    float_kernel = lambda x, w: linear_float(x, w, None)  # noqa: E731
+    runs = dict(zip(SYSTEMS, (F.linear, float_kernel, linear_w8a8), strict=True))
+    weights = []
+    for n_in, n_out, count in engine_shapes(config):
+        w = torch.randn(n_out, n_in, dtype=dtype) * n_in**-0.5
+        packed = pack_int8(*quantize_rows_int8(w), None, False)
+        weights.append((dict(zip(SYSTEMS, (w, w, packed), strict=True)), count))
+    results = []
+    with torch.inference_mode():
+        for num_tokens in args.num_tokens:
+            work = [
+                (torch.randn(num_tokens, ws["C float"].shape[1], dtype=dtype), ws, count)
+                for ws, count in weights
+            ]
+            times: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+            for name in SYSTEMS:  # warm-up: first calls pick kernels
+                time_pass(runs[name], work, name)
+            for _ in range(args.rounds):
+                for name in SYSTEMS:
+                    times[name].append(time_pass(runs[name], work, name))
+            ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+            results.append(dict(num_tokens=num_tokens, ms=ms))
+    rows = [
+        [r["num_tokens"]]
+        + [fmt(r["ms"][name], 2) for name in SYSTEMS]
+        + [fmt(r["ms"][name] / r["ms"]["torch matmul"], 2) for name in SYSTEMS[1:]]
+        for r in results
+    ]
+    headers = ["tokens (M)", *(f"{n} ms" for n in SYSTEMS), *(f"{n} / torch" for n in SYSTEMS[1:])]
+    num_matmuls = sum(count for *_, count in engine_shapes(config))
+    markdown = "\n\n".join(
+        [
+            "# Linear layers on the CPU: torch matmul, C float, C int8 (W8A8)",
+            f"One forward pass's linear layers ({num_matmuls} matmuls, the engine's fused "
+            f"shapes), activations in {dtype}, {torch.get_num_threads()} threads, "
+            f"{platform.machine()}; medians of {args.rounds} rounds, the systems alternating.",
+            markdown_table(headers, rows),
+        ]
+    )
+    payload = dict(args=vars(args), dtype=str(dtype), results=results)
+    write_results(args.name, payload, markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
