@@ -59,6 +59,19 @@ static inline __attribute__((always_inline)) void prefetch_rows(
     for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(v + i, 0, 2);
 }
 
+/* Softmax weights of one head's scores, unnormalized, in place (exp(s - max)); returns their
+ * sum, which the caller divides by once at the end. */
+static inline float softmax_unnormalized(float *scores, int seq_len) {
+    float row_max = -FLT_MAX, sum = 0.0f; /* finite: built with -ffast-math */
+    for (int t = 0; t < seq_len; t++) row_max = scores[t] > row_max ? scores[t] : row_max;
+#pragma omp simd reduction(+ : sum) /* vector expf from libmvec */
+    for (int t = 0; t < seq_len; t++) {
+        scores[t] = expf(scores[t] - row_max);
+        sum += scores[t];
+    }
+    return sum;
+}
+
 #define DEFINE_DECODE(NAME, T, LOAD_Q, C, LOAD_C, HEAD_DIM)                                        \
 static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {        \
     const T *q = a->q;                                                                             \
@@ -104,13 +117,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         /* Softmax weights, unnormalized; each head's sum divides once at the end. */              \
         for (int h = 0; h < num_heads; h++) {                                                      \
             float *sh = scores + (int64_t)h * max_seq_len;                                         \
-            float row_max = -FLT_MAX, sum = 0.0f; /* finite: built with -ffast-math */             \
-            for (int t = 0; t < seq_len; t++) row_max = sh[t] > row_max ? sh[t] : row_max;         \
-            _Pragma("omp simd reduction(+:sum)") /* vector expf from libmvec */                    \
-            for (int t = 0; t < seq_len; t++) {                                                    \
-                sh[t] = expf(sh[t] - row_max);                                                     \
-                sum += sh[t];                                                                      \
-            }                                                                                      \
+            const float sum = softmax_unnormalized(sh, seq_len);                                  \
             sums[h] = sum;                                                                         \
         }                                                                                          \
         /* Pass 2: out = sum_t p_t v_t, V streamed the same way as K. */                           \
@@ -239,13 +246,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         float inv[num_heads];                                                                      \
         for (int h = 0; h < num_heads; h++) {                                                      \
             float *sh = scores + h * stride_s;                                                     \
-            float row_max = -FLT_MAX, sum = 0.0f; /* finite: built with -ffast-math */             \
-            for (int t = 0; t < seq_len; t++) row_max = sh[t] > row_max ? sh[t] : row_max;         \
-            _Pragma("omp simd reduction(+:sum)") /* vector expf from libmvec */                    \
-            for (int t = 0; t < seq_len; t++) {                                                    \
-                sh[t] = expf(sh[t] - row_max);                                                     \
-                sum += sh[t];                                                                      \
-            }                                                                                      \
+            const float sum = softmax_unnormalized(sh, seq_len);                                  \
             inv[h] = seq_len > 0 ? a->v_scale / sum : 0.0f;                                        \
         }                                                                                          \
         /* Pass 2: per kv head, V streams by once while the outputs of up to HEADS_PER_PASS */  \
@@ -399,13 +400,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         float inv[num_heads];                                                                      \
         for (int h = 0; h < num_heads; h++) {                                                      \
             float *sh = scores + h * stride_s;                                                     \
-            float row_max = -FLT_MAX, sum = 0.0f; /* finite: built with -ffast-math */             \
-            for (int t = 0; t < seq_len; t++) row_max = sh[t] > row_max ? sh[t] : row_max;         \
-            _Pragma("omp simd reduction(+:sum)") /* vector expf from libmvec */                    \
-            for (int t = 0; t < seq_len; t++) {                                                    \
-                sh[t] = expf(sh[t] - row_max);                                                     \
-                sum += sh[t];                                                                      \
-            }                                                                                      \
+            const float sum = softmax_unnormalized(sh, seq_len);                                  \
             for (int t = seq_len; t < (seq_len + 1) / 2 * 2; t++) sh[t] = 0.0f;                    \
             for (int t = 0; t < seq_len; t += 32)                                                  \
                 _mm512_storeu_si512(weights + h * stride_s + t,                                    \
