@@ -146,8 +146,8 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             child_params = copy.copy(params)
             child_params.n = 1
-            if params.seed is not None:
-                child_params.seed = params.seed + index
+            if params.seed is not None:  # in [0, 2^64): the generator reads a negative as that
+                child_params.seed = (params.seed + index) % 2**64
             if emitted and child_params.max_tokens is not None:
                 child_params.max_tokens = max(1, child_params.max_tokens - len(emitted))
             if index > 0 or emitted:

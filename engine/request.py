@@ -46,7 +46,9 @@ class SamplingParams:
     top_p: float = _bounded(1.0, exclusiveMinimum=0, maximum=1)
     top_k: int = _bounded(-1, "must be -1 (disabled) or >= 0", minimum=-1)  # -1, 0 = all tokens
     min_p: float = _bounded(0.0, minimum=0, maximum=1)
-    seed: int | None = None  # per-request generator: same seed, same text, whatever the batch
+    # per-request generator: same seed, same text, whatever the batch. The range torch's
+    # generator and msgpack take; choice i of n uses seed + i, wrapped into it.
+    seed: int | None = _bounded(None, minimum=-(2**63), maximum=2**64 - 1)
     max_tokens: int | None = _bounded(16, minimum=1)  # None = up to max_model_len
     # EOS and stop_token_ids are masked until this many tokens exist
     min_tokens: int = _bounded(0, "must be >= 0", minimum=0)

@@ -356,3 +356,25 @@ def test_bad_prompts_are_rejected(tiny_llm):
     while engine.has_unfinished_requests():
         engine.step()
     assert_pool_free(tiny_llm)
+
+
+def test_seeds_at_the_ends_of_their_range_serve_every_choice(tiny_llm):
+    """Choice i samples with seed + i: at the top of the 64-bit range that wraps instead of
+    failing the step (issue 12: one such request failed its whole batch), and a seed outside
+    the range is refused at admission, naming the field."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for seed in (2**64 - 1, -(2**63)):
+        params = SamplingParams(temperature=0.8, seed=seed, n=3, max_tokens=4, ignore_eos=True)
+        seeded, plain = tiny_llm.generate([PROMPTS[0], PROMPTS[1]], [params, greedy])
+        assert [len(c.token_ids) for c in seeded.outputs] == [4, 4, 4]
+        assert len(plain.outputs[0].token_ids) == 4
+    # Choice 1 of seed 2^64 - 1 uses seed 0: the same tokens as a lone request seeded with 0.
+    top = SamplingParams(temperature=0.8, seed=2**64 - 1, n=2, max_tokens=8, ignore_eos=True)
+    zero = SamplingParams(temperature=0.8, seed=0, max_tokens=8, ignore_eos=True)
+    (pair,) = tiny_llm.generate(PROMPTS[2], top)
+    (alone,) = tiny_llm.generate(PROMPTS[2], zero)
+    assert pair.outputs[1].token_ids == alone.outputs[0].token_ids
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=seed)
+    assert_pool_free(tiny_llm)

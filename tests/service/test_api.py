@@ -366,6 +366,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
         ("POST", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
         ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "n": "2"}, 400, "n"),
         ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 2}, 400, "top_p"),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),
         ("POST", "/v1/completions", {"model": MODEL, "prompt": [99999999]}, 400, "prompt"),
         ("POST", "/v1/completions", {"model": "other", "prompt": "x"}, 404, "model"),
         ("POST", "/v1/chat/completions", {**CHAT, "temperature": True}, 400, "temperature"),

@@ -222,32 +222,40 @@ async def test_engine_fault_and_running_deadline_fail_only_their_requests(
     engine, redis, redis_url, monkeypatch
 ):
     real_step = engine.engine_core.step
-    calls = {"n": 0}
+    calls = {"n": 0, "slow": 0}
 
-    def step_failing_once():
+    def step_failing_once_then_holding_slow():
+        """The first step fails. Once "slow" has had 3 steps (its prompt and 2 tokens), steps
+        make no progress while it runs, so only its deadline ends it, however fast or loaded
+        the machine (timing it with sleeps failed on a fast machine: issue 12)."""
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected fault")
-        time.sleep(0.005)  # 400 steps outlast the 300 ms deadline however fast the engine
+        if engine.get_unfinished_request("slow") is not None:
+            calls["slow"] += 1
+            if calls["slow"] > 3:
+                time.sleep(0.005)
+                return []
         return real_step()
 
-    monkeypatch.setattr(engine.engine_core, "step", step_failing_once)
+    monkeypatch.setattr(engine.engine_core, "step", step_failing_once_then_holding_slow)
     await submit(redis, GenerateRequest("fault", prompt=PROMPT))
     async with serving(engine, redis_url):
         fault = await read_chunks(redis, "fault")
-        deadline = int(time.time() * 1000) + 300
+        # Far enough ahead that admission never sees it passed, even on a loaded machine.
+        deadline = int(time.time() * 1000) + 2000
         sampling = dict(max_tokens=400, **GREEDY)
         await submit(
             redis, GenerateRequest("slow", prompt=PROMPT, sampling=sampling, deadline_ms=deadline)
         )
-        slow = await read_chunks(redis, "slow", timeout=5.0)
+        slow = await read_chunks(redis, "slow", timeout=10.0)
         await submit(
             redis, GenerateRequest("next", prompt=PROMPT, sampling=dict(max_tokens=4, **GREEDY))
         )
         after = await read_chunks(redis, "next")
     assert fault[-1].error == "engine error: injected fault"
     assert slow[-1].error == "deadline exceeded" and len(slow) > 1
-    assert sum(len(c.token_ids) for c in slow) < 400
+    assert sum(len(c.token_ids) for c in slow) == 3  # its prompt step and 2 decode steps
     assert after[-1].usage["completion_tokens"] == 4
     [(_, dead)] = await redis.xrange(keys.dead)
     assert dead[b"reason"] == b"engine error: injected fault"
