@@ -39,8 +39,10 @@ def connect(url: str, blocking: bool = False) -> aioredis.Redis:
 
 
 def _entry(entry_id: bytes | str, fields: dict | None) -> Entry:
+    """A trimmed entry (no fields) reads as `data=None`; one whose fields lack `data`, as b""
+    (a bad entry, answered like any undecodable one)."""
     entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return entry_id, (fields or {}).get(b"data")
+    return entry_id, fields.get(b"data", b"") if fields else None
 
 
 async def ensure_group(r: aioredis.Redis) -> None:

@@ -98,6 +98,9 @@ class Delivery:
             log.warning("request entry was trimmed before it was served", entry_id=entry_id)
             await self.consumer.ack(entry_id)
             return
+        if not data:
+            await self._reject_undecodable(entry_id, data, "entry has no 'data' field")
+            return
         try:
             request = GenerateRequest.decode(data)
         except SchemaError as e:

@@ -190,6 +190,7 @@ async def test_abort_frees_kv_blocks(engine, redis, redis_url):
 
 async def test_bad_entries_are_dead_lettered_and_the_worker_keeps_serving(engine, redis, redis_url):
     await redis.xadd(keys.requests, {"data": b"\xc1 not msgpack"})
+    await redis.xadd(keys.requests, {"prompt": b"no data field"})  # issue 12: was acked, lost
     wrong_type = msgpack.packb({"v": 1, "request_id": "types", "prompt": 5})
     await redis.xadd(keys.requests, {"data": wrong_type})
     await submit(redis, GenerateRequest("oov", prompt_token_ids=[1, 10**7]))
@@ -213,8 +214,9 @@ async def test_bad_entries_are_dead_lettered_and_the_worker_keeps_serving(engine
     assert errors["late"].error == "deadline exceeded"
     assert errors["gone"].error == "aborted"
     dead = await redis.xrange(keys.dead)
-    assert len(dead) == 4  # late and aborted requests are answered, not bad entries
+    assert len(dead) == 5  # late and aborted requests are answered, not bad entries
     assert "msgpack" in dead[0][1][b"reason"].decode()
+    assert dead[1][1][b"reason"] == b"entry has no 'data' field"
     assert await num_pending(redis) == 0
 
 
