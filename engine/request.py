@@ -24,6 +24,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_LOGIT_BIAS = 1024
 MAX_ABS_LOGIT_BIAS = 100
+# Counts (top_k, max_tokens, min_tokens) beyond any context; larger values (JSON's 1e20) would
+# overflow the wire's integers (issue 12: an HTTP 500).
+MAX_INT32 = 2**31 - 1
 
 
 def _bounded(default: object, why: str | None = None, **bounds: float) -> Any:
@@ -44,14 +47,14 @@ class SamplingParams:
     n: int = _bounded(1, minimum=1, maximum=MAX_N)
     temperature: float = _bounded(1.0, minimum=0)  # 0 = greedy
     top_p: float = _bounded(1.0, exclusiveMinimum=0, maximum=1)
-    top_k: int = _bounded(-1, "must be -1 (disabled) or >= 0", minimum=-1)  # -1, 0 = all tokens
+    top_k: int = _bounded(-1, minimum=-1, maximum=MAX_INT32)  # -1, 0 = all tokens
     min_p: float = _bounded(0.0, minimum=0, maximum=1)
     # per-request generator: same seed, same text, whatever the batch. The range torch's
     # generator and msgpack take; choice i of n uses seed + i, wrapped into it.
     seed: int | None = _bounded(None, minimum=-(2**63), maximum=2**64 - 1)
-    max_tokens: int | None = _bounded(16, minimum=1)  # None = up to max_model_len
+    max_tokens: int | None = _bounded(16, minimum=1, maximum=MAX_INT32)  # None: max_model_len
     # EOS and stop_token_ids are masked until this many tokens exist
-    min_tokens: int = _bounded(0, "must be >= 0", minimum=0)
+    min_tokens: int = _bounded(0, minimum=0, maximum=MAX_INT32)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False

@@ -119,6 +119,8 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
             raise _too_large(max_bytes)
     try:
         value = json.loads(body)
+    except RecursionError:  # 200,000 `[` made a 500 (issue 12)
+        raise ApiError(400, "The body is not valid JSON: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"The body is not valid JSON: {e}") from None
     if not isinstance(value, dict):
