@@ -19,6 +19,7 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 
 from engine import load_tokenizer, resolve_model
 from queueing.client import KvrailClient
@@ -69,6 +70,14 @@ def create_app(
     app.state.api = state
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(HttpMetricsMiddleware)
+    # Outermost (added last): a preflight carries no API key. With no origin allowed, a
+    # preflight is answered 400 and no response carries Access-Control-Allow-Origin.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(settings.cors_origins),
+        allow_methods=["GET", "POST"],
+        allow_headers=["Authorization", "Content-Type", "Last-Event-ID"],
+    )
     return app
 
 

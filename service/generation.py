@@ -108,7 +108,16 @@ def state_of(request: Request) -> ApiState:
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object; 413 past `max_bytes` (declared or streamed), else 400."""
+    """The body as a JSON object: 415 unless sent as application/json (a `text/plain` POST
+    needs no CORS preflight, so a page of any origin could send one: issue 12), 413 past
+    `max_bytes` (declared or streamed), else 400."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(
+            415,
+            f"Content-Type must be application/json, got {media_type or 'none'!r}",
+            code="unsupported_media_type",
+        )
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)

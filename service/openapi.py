@@ -302,6 +302,7 @@ _ERROR_TEXT = {
     "401": "Missing or wrong bearer API key (when the server has one)",
     "404": "Unknown model",
     "413": "Body larger than KVRAIL_MAX_BODY_BYTES",
+    "415": "Body not sent as application/json",
     "429": "Too many requests pending; see Retry-After",
     "500": "The worker failed the request",
     "503": "No worker is alive; see Retry-After",
@@ -357,7 +358,7 @@ def _generation(request_schema: str, response_schema: str, summary: str) -> dict
             },
             "responses": {
                 "200": ok,
-                **_errors("400", "401", "404", "413", "429", "500", "503", "504"),
+                **_errors("400", "401", "404", "413", "415", "429", "500", "503", "504"),
             },
         }
     }
@@ -439,7 +440,7 @@ def openapi_document(model_name: str) -> dict[str, Any]:
                 "requestBody": tokenize_body,
                 "responses": {
                     "200": _json("TokenizeResponse", "Token ids"),
-                    **_errors("400", "401", "404", "413"),
+                    **_errors("400", "401", "404", "413", "415"),
                 },
             }
         },
@@ -450,7 +451,7 @@ def openapi_document(model_name: str) -> dict[str, Any]:
                 "requestBody": detokenize_body,
                 "responses": {
                     "200": _json("DetokenizeResponse", "The text"),
-                    **_errors("400", "401", "404", "413"),
+                    **_errors("400", "401", "404", "413", "415"),
                 },
             }
         },

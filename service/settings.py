@@ -38,6 +38,13 @@ def _bool(raw: str) -> bool:
     return raw.lower() in _TRUE
 
 
+def _origins(raw: str) -> tuple[str, ...]:
+    origins = tuple(o.strip() for o in raw.split(",") if o.strip())
+    if any(o != "*" and "://" not in o for o in origins):
+        raise ValueError(raw)
+    return origins
+
+
 def _setting(
     env: str,
     default: Any,
@@ -90,6 +97,10 @@ class Settings:
         "KVRAIL_STREAM_TIMEOUT_S", 120.0, _number, lambda v: v > 0, "must be a number > 0"
     )
 
+    # Origins a browser page may call the API from (CORS), comma-separated; "*" for any;
+    # unset: none (preflights are refused).
+    cors_origins: tuple[str, ...] = _setting("KVRAIL_CORS_ORIGINS", (), _origins)
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value, check = getattr(self, f.name), f.metadata["check"]
@@ -108,7 +119,12 @@ class Settings:
             try:
                 values[f.name] = f.metadata["parse"](raw)
             except ValueError:
-                kind = {int: "an integer", _number: "a number", _bool: "a boolean"}
+                kind = {
+                    int: "an integer",
+                    _number: "a number",
+                    _bool: "a boolean",
+                    _origins: "a comma-separated list of origins (scheme://host[:port]) or *",
+                }
                 expected = kind.get(f.metadata["parse"], "valid")
                 raise SettingsError(f"{env} must be {expected}, got {raw!r}") from None
         return cls(**values)

@@ -353,6 +353,7 @@ async def test_non_stream_disconnect_aborts(http, worker, redis_url):
 
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+JSON_TYPE = {"content-type": "application/json"}
 
 
 @pytest.mark.asyncio
@@ -390,7 +391,7 @@ async def test_error_statuses(http, method, path, body, status, param):
     if method == "GET":
         response = await http.get(path, headers=body or {})
     elif isinstance(body, bytes):
-        response = await http.post(path, content=body)
+        response = await http.post(path, content=body, headers=JSON_TYPE)
     else:
         response = await http.post(path, json=body)
     assert_error(response, status, param)
@@ -405,7 +406,7 @@ async def test_body_too_large_declared_and_streamed(start_api, worker):
     async def chunked():  # no Content-Length: the streamed length must be checked
         yield json.dumps(big).encode()
 
-    assert_error(await http.post("/v1/completions", content=chunked()), 413)
+    assert_error(await http.post("/v1/completions", content=chunked(), headers=JSON_TYPE), 413)
 
 
 @pytest.mark.asyncio
@@ -490,3 +491,34 @@ async def test_official_openai_client(start_api, worker):
     with pytest.raises(openai.NotFoundError):
         await client.completions.create(model="nope", prompt="Hello")
     await client.close()
+
+
+@pytest.mark.asyncio
+async def test_only_json_bodies_and_no_cross_origin_calls_by_default(http, start_api, worker):
+    """Issue 12: a `text/plain` POST (no CORS preflight needed) from any page got a
+    completion. Bodies must be application/json (415 otherwise), and with no
+    KVRAIL_CORS_ORIGINS no origin may call: preflights refused, no allow header."""
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1})
+    evil = {"origin": "http://evil.example"}
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {**evil, **({"content-type": content_type} if content_type else {})}
+        response = await http.post("/v1/completions", content=body, headers=headers)
+        assert_error(response, 415)
+        assert "access-control-allow-origin" not in response.headers
+    ok = await http.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json; charset=utf-8"}
+    )
+    assert ok.status_code == 200
+    preflight = {
+        **evil,
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "content-type",
+    }
+    refused = await http.options("/v1/completions", headers=preflight)
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    # An allowed origin gets its preflight and its answers.
+    allowing = await start_api(cors_origins=("http://app.example",))
+    allowed = {**preflight, "origin": "http://app.example"}
+    answered = await allowing.options("/v1/completions", headers=allowed)
+    assert answered.status_code == 200
+    assert answered.headers["access-control-allow-origin"] == "http://app.example"

@@ -21,8 +21,10 @@ def test_values_are_parsed_by_type():
             "KVRAIL_MAX_PENDING": "7",
             "KVRAIL_STREAM_TIMEOUT_S": "2.5",
             "KVRAIL_SHUTDOWN_GRACE_S": "0",
+            "KVRAIL_CORS_ORIGINS": "https://a.example, http://b.example:8080,",
         }
     )
+    assert settings.cors_origins == ("https://a.example", "http://b.example:8080")
     assert settings.redis_url == "redis://r:6379/0"
     assert (settings.log_level, settings.log_json) == ("DEBUG", False)
     assert (settings.max_pending, settings.stream_timeout_s) == (7, 2.5)
@@ -37,6 +39,7 @@ def test_values_are_parsed_by_type():
         ({"KVRAIL_STREAM_TIMEOUT_S": "nan"}, "KVRAIL_STREAM_TIMEOUT_S must be a number"),
         ({"KVRAIL_SHUTDOWN_GRACE_S": "-1"}, "KVRAIL_SHUTDOWN_GRACE_S must be a number >= 0"),
         ({"KVRAIL_LOG_JSON": "maybe"}, "KVRAIL_LOG_JSON must be a boolean, got 'maybe'"),
+        ({"KVRAIL_CORS_ORIGINS": "evil.example"}, "KVRAIL_CORS_ORIGINS must be a comma-sep"),
         ({"KVRAIL_LOG_LEVEL": "loud"}, "KVRAIL_LOG_LEVEL must be one of DEBUG"),
     ],
 )
