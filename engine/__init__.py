@@ -11,6 +11,7 @@ from engine.loader import load_tokenizer, resolve_model
 from engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput, UnfinishedRequest
 from engine.request import (
     MAX_ABS_LOGIT_BIAS,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
@@ -24,6 +25,7 @@ from engine.request import (
 __all__ = [
     "LLM",
     "MAX_ABS_LOGIT_BIAS",
+    "MAX_LOGIT_BIAS",
     "MAX_LOGPROBS",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_LEN",

@@ -22,6 +22,7 @@ from queueing.schema import TokenChunk, keys
 Entry = tuple[str, bytes | None]  # (stream entry id, the `data` field or None if trimmed)
 
 DEAD_LETTER_MAXLEN = 100_000
+DEAD_LETTER_DATA_BYTES = 64 << 10  # enough to read what went wrong; a 24 MiB entry was copied whole
 RESPONSE_MAXLEN = 1 << 20  # chunks per response stream: more than any request produces
 
 
@@ -141,10 +142,17 @@ class RequestConsumer:
             )
 
     async def dead_letter(self, entry_id: str, data: bytes | None, reason: str) -> None:
-        """Record an entry that could not be served on `kvrail:dead` (the caller acks it)."""
+        """Record an entry that could not be served on `kvrail:dead` (the caller acks it): its
+        first DEAD_LETTER_DATA_BYTES bytes and its full size, not a copy of any size."""
+        data = data or b""
         await self.r.xadd(
             keys.dead,
-            {"entry_id": entry_id, "data": data or b"", "reason": reason},
+            {
+                "entry_id": entry_id,
+                "data": data[:DEAD_LETTER_DATA_BYTES],
+                "data_bytes": len(data),
+                "reason": reason,
+            },
             maxlen=DEAD_LETTER_MAXLEN,
             approximate=True,
         )

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import asyncio
 
+import msgpack
 import pytest
 
 from queueing import streams
-from queueing.schema import GenerateRequest, TokenChunk, keys
+from queueing.schema import (
+    MAX_MESSAGE_BYTES,
+    MAX_PROMPT_TOKENS,
+    GenerateRequest,
+    SchemaError,
+    TokenChunk,
+    keys,
+    unpack_bounded,
+)
+from service.delivery import _peek_request_id
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -84,10 +94,35 @@ async def test_dead_letter_records_entry_and_reason(redis_url):
     rb, r = await _clients(redis_url)
     consumer = streams.RequestConsumer(rb, r, "w1")
     await consumer.dead_letter("1-0", b"\xc1", "not valid msgpack")
-    [(_, fields)] = await r.xrange(keys.dead)
-    assert fields == {b"entry_id": b"1-0", b"data": b"\xc1", b"reason": b"not valid msgpack"}
+    # Issue 12: a 24 MiB entry was copied whole; only a prefix and the size are kept.
+    huge = b"\xdd" + b"\x80" * (24 << 20)
+    await consumer.dead_letter("2-0", huge, "too large")
+    [(_, fields), (_, big)] = await r.xrange(keys.dead)
+    assert fields == {
+        b"entry_id": b"1-0",
+        b"data": b"\xc1",
+        b"data_bytes": b"1",
+        b"reason": b"not valid msgpack",
+    }
+    assert big[b"data"] == huge[: streams.DEAD_LETTER_DATA_BYTES]
+    assert int(big[b"data_bytes"]) == len(huge)
     await rb.aclose()
     await r.aclose()
+
+
+async def test_decoding_is_bounded_before_it_allocates():
+    """Issue 12: an array of millions of empty maps decoded after the size check had refused
+    it. Oversize entries are refused unread, and no container may outgrow a valid message."""
+    many_maps = msgpack.packb([{}] * (MAX_PROMPT_TOKENS + 1))
+    assert len(many_maps) < MAX_MESSAGE_BYTES  # small on the wire, large once decoded
+    with pytest.raises(ValueError, match="exceeds max_array_len"):
+        unpack_bounded(many_maps)
+    with pytest.raises(SchemaError, match="not valid msgpack"):
+        GenerateRequest.decode(many_maps)
+    oversize = b"\xdd" + b"\x80" * MAX_MESSAGE_BYTES
+    with pytest.raises(SchemaError, match="too large"):
+        GenerateRequest.decode(oversize)
+    assert _peek_request_id(oversize) is None
 
 
 async def test_publish_pipelines_chunks_with_ttl_and_read_response(redis_url):

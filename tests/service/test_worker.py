@@ -200,11 +200,15 @@ async def test_bad_entries_are_dead_lettered_and_the_worker_keeps_serving(engine
     await redis.hset(keys.request_state("gone"), "aborted", 1)  # the client's abort came first
     await submit(redis, GenerateRequest("gone", prompt=PROMPT))
     await submit(redis, GenerateRequest("ok", prompt=PROMPT, sampling=dict(max_tokens=4, **GREEDY)))
+    # Decoded off the event loop (over OFF_LOOP_DECODE_BYTES), then refused by length.
+    await submit(redis, GenerateRequest("big", prompt="word " * 60_000))
+    oversize = b"\xdd" + b"\x80" * (24 << 20)  # issue 12: 24 MiB of empty maps, not decoded
+    await redis.xadd(keys.requests, {"data": oversize})
     async with serving(engine, redis_url):
         ok = await read_chunks(redis, "ok")
         errors = {
             rid: (await read_chunks(redis, rid))[-1]
-            for rid in ("types", "oov", "temp", "late", "gone")
+            for rid in ("types", "oov", "temp", "late", "gone", "big")
         }
     assert ok[-1].usage["completion_tokens"] == 4
     assert all(c.finish_reason == "error" and c.seq == 0 for c in errors.values())
@@ -213,10 +217,14 @@ async def test_bad_entries_are_dead_lettered_and_the_worker_keeps_serving(engine
     assert "temperature" in errors["temp"].error
     assert errors["late"].error == "deadline exceeded"
     assert errors["gone"].error == "aborted"
+    assert "max_model_len" in errors["big"].error
     dead = await redis.xrange(keys.dead)
-    assert len(dead) == 5  # late and aborted requests are answered, not bad entries
+    assert len(dead) == 7  # late and aborted requests are answered, not bad entries
     assert "msgpack" in dead[0][1][b"reason"].decode()
     assert dead[1][1][b"reason"] == b"entry has no 'data' field"
+    [too_large] = [fields for _, fields in dead if b"too large" in fields[b"reason"]]
+    assert len(too_large[b"data"]) == streams.DEAD_LETTER_DATA_BYTES
+    assert int(too_large[b"data_bytes"]) == len(oversize)
     assert await num_pending(redis) == 0
 
 
