@@ -107,7 +107,13 @@ class RequestConsumer:
             return entries
 
     async def ack(self, *entry_ids: str) -> None:
-        await self.r.xack(keys.requests, keys.group, *entry_ids)
+        """Acknowledge entries and delete them: an answered entry is never read again (one
+        group), so the request stream holds only unfinished work (issue 12: every prompt
+        was kept forever)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xack(keys.requests, keys.group, *entry_ids)
+        pipe.xdel(keys.requests, *entry_ids)
+        await pipe.execute()
 
     async def claim_stale(self, min_idle_ms: int) -> list[Entry]:
         """Take over entries pending longer than `min_idle_ms` in other consumers (dead

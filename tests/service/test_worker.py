@@ -108,6 +108,8 @@ async def test_generates_like_offline(engine, reference, redis, redis_url):
         )
     assert chunks2[-1].usage["completion_tokens"] == 16
     assert await num_pending(redis) == 0
+    # Answered entries leave the request stream (issue 12: every prompt was kept forever).
+    assert await redis.xlen(keys.requests) == 0
     assert await redis.hget(keys.request_state("r1"), "state") == b"done"
     assert metrics.REGISTRY.get_sample_value("kvrail:generation_tokens_total") == generated + 40
 
@@ -122,7 +124,7 @@ async def test_duplicate_request_id_is_generated_once(engine, redis, redis_url):
         assert worker.engine_thread.num_added == 1  # the engine saw one request
     stored = await streams.read_response(redis, keys.response("dup"))
     assert [c.seq for c in stored] == list(range(len(chunks))) and stored[-1].is_last
-    assert await num_pending(redis) == 0
+    assert await num_pending(redis) == 0 and await redis.xlen(keys.requests) == 0
 
 
 async def test_resumes_the_entry_of_a_dead_worker(engine, reference, redis, redis_url):
