@@ -219,6 +219,16 @@ async def own_request(
     return owner.decode(), aborted is not None
 
 
+async def renew_ttl(r: aioredis.Redis, names: list[str], ttl_s: int) -> None:
+    """Give each existing key of `names` `ttl_s` seconds to live from now (one round trip)."""
+    if not names:
+        return
+    pipe = r.pipeline(transaction=False)
+    for name in names:
+        pipe.expire(name, ttl_s)
+    await pipe.execute()
+
+
 async def mark_done(r: aioredis.Redis, request_ids: Iterable[str], ttl_s: int) -> None:
     """Record that requests were answered in full (their final chunk is stored)."""
     pipe = r.pipeline(transaction=False)

@@ -2,8 +2,10 @@
 
 Every tick it writes `kvrail:worker:{name}` with a short TTL (the API lists live workers from
 these), touches the entries this worker holds so that no live request looks idle to another
-worker's XAUTOCLAIM, aborts requests past their deadline, and moves the engine's counters to
-Prometheus. The gauges read the engine thread's latest snapshot at scrape time instead.
+worker's XAUTOCLAIM, renews the TTL of their keys (state, response stream, SSE shape) so that
+none expires while its request runs, aborts requests past their deadline, and moves the
+engine's counters to Prometheus. The gauges read the engine thread's latest snapshot at
+scrape time instead.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Heartbeat:
         model_name: str,
         max_model_len: int,
         tick_s: float,
+        response_ttl_s: int,
     ) -> None:
         self.r = r
         self.consumer = consumer
@@ -48,6 +51,7 @@ class Heartbeat:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tick_s = tick_s
+        self.response_ttl_s = response_ttl_s
         self._started_ms = int(time.time() * 1000)
         self._last_stats = engine_thread.stats
         # Gauges read the engine's latest snapshot at scrape time, not at the last tick.
@@ -61,6 +65,7 @@ class Heartbeat:
             info = self._worker_info(stats)
             await self.r.set(keys.worker(self.name), info.encode(), ex=HEARTBEAT_TTL_S)
             await self.consumer.touch([f.entry_id for f in self.inflight.values()])
+            await streams.renew_ttl(self.r, self._held_keys(), self.response_ttl_s)
             self._enforce_deadlines()
             self._update_counters(stats)
             await asyncio.sleep(self.tick_s)
@@ -76,6 +81,16 @@ class Heartbeat:
             num_waiting=stats.num_waiting_reqs,
             kv_cache_usage=float(stats.kv_cache_usage),
         )
+
+    def _held_keys(self) -> list[str]:
+        """The keys of held requests that live for the TTL after their request ends (issue 12:
+        with a 5 s TTL they expired mid-request: resume answered 404, a retry with the same
+        id cut the original short)."""
+        return [
+            key
+            for rid, f in self.inflight.items()
+            for key in (keys.request_state(rid), f.request.response_key, keys.sse(rid))
+        ]
 
     def _enforce_deadlines(self) -> None:
         now_ms = time.time() * 1000

@@ -95,6 +95,7 @@ class Worker:
             model_name=self.model_name,
             max_model_len=engine.max_model_len,
             tick_s=self.tick_s,
+            response_ttl_s=response_ttl_s,
         )
 
     # ---- lifecycle -----------------------------------------------------------------------

@@ -274,6 +274,30 @@ async def test_engine_fault_and_running_deadline_fail_only_their_requests(
     assert await num_pending(redis) == 0
 
 
+async def test_keys_of_a_running_request_outlive_their_ttl(engine, redis, redis_url, monkeypatch):
+    """Issue 12: with a short TTL, `kvrail:req:{id}` and `kvrail:sse:{id}` expired while their
+    request still ran. The heartbeat renews them while the worker holds the request."""
+    real_step, release = engine.engine_core.step, threading.Event()
+
+    def step_holding_long():  # "long" makes no progress until released
+        if engine.get_unfinished_request("long") is not None and not release.is_set():
+            time.sleep(0.005)
+            return []
+        return real_step()
+
+    monkeypatch.setattr(engine.engine_core, "step", step_holding_long)
+    await redis.set(keys.sse("long"), b"{}", ex=1)  # as the API stores an SSE shape
+    sampling = dict(max_tokens=4, **GREEDY)
+    await submit(redis, GenerateRequest("long", prompt=PROMPT, sampling=sampling))
+    async with serving(engine, redis_url, response_ttl_s=1, claim_idle_ms=1000):  # tick 0.25 s
+        await asyncio.sleep(2.5)  # the request runs well past its 1 s TTL
+        assert await redis.exists(keys.request_state("long"), keys.sse("long")) == 2
+        release.set()
+        chunks = await read_chunks(redis, "long")
+    assert chunks[-1].usage["completion_tokens"] == 4
+    assert 0 < await redis.ttl(keys.request_state("long")) <= 1  # then the TTL after the end
+
+
 async def test_load_engine_builds_in_a_thread_that_has_ended(model_dir):
     # A loader thread left alive keeps an OpenMP pool that slows the engine thread's steps.
     before = set(threading.enumerate())
