@@ -82,6 +82,12 @@ class LLMEngine:
         )
         self.max_model_len = self.engine_core.max_model_len
         self.vocab_size = self.engine_core.vocab_size
+        # No token covers more characters of text than its longest token string has, so a
+        # prompt longer than this cannot fit in max_model_len tokens: it is refused without
+        # tokenizing (issue 12: two 1M-character prompts, tokenized on the engine thread,
+        # stretched every other request's inter-token gap from 0.1 s to 2.4 s).
+        token_strs = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        self.max_prompt_chars = self.max_model_len * max(len(t) for t in token_strs if t)
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
         logger.info("engine ready in %.1f s", time.perf_counter() - start)
@@ -100,6 +106,11 @@ class LLMEngine:
             else:
                 raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if len(prompt) > self.max_prompt_chars:
+                raise ValueError(
+                    f"prompt has {len(prompt)} characters, more than max_model_len "
+                    f"{self.max_model_len} tokens can hold ({self.max_prompt_chars})"
+                )
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ValueError("prompt must be a string or a list of token ids")

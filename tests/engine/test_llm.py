@@ -378,3 +378,24 @@ def test_seeds_at_the_ends_of_their_range_serve_every_choice(tiny_llm):
         with pytest.raises(ValueError, match="seed"):
             SamplingParams(seed=seed)
     assert_pool_free(tiny_llm)
+
+
+def test_a_prompt_too_long_in_characters_is_refused_untokenized(tiny_llm, monkeypatch):
+    """Issue 12: 1M-character prompts were tokenized on the engine thread before the length
+    check. No token covers more characters than the longest token string, so a longer
+    prompt cannot fit in max_model_len tokens and is refused before tokenizing."""
+    engine = tiny_llm.llm_engine
+    limit = engine.max_prompt_chars
+    assert limit >= engine.max_model_len
+    params = SamplingParams(max_tokens=1)
+    real_encode = engine.tokenizer.encode
+    monkeypatch.setattr(
+        engine.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized a hopeless prompt")
+    )
+    with pytest.raises(ValueError, match=rf"max_model_len \d+ tokens can hold \({limit}\)"):
+        engine.add_request("long", "a" * (limit + 1), params)
+    monkeypatch.setattr(engine.tokenizer, "encode", real_encode)
+    with pytest.raises(ValueError, match="tokens, more than max_model_len"):  # tokenized
+        engine.add_request("long", "a " * (limit // 2), params)
+    assert not engine.has_unfinished_requests()
+    assert_pool_free(tiny_llm)

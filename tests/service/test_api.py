@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from typing import Any
 
@@ -522,3 +523,24 @@ async def test_only_json_bodies_and_no_cross_origin_calls_by_default(http, start
     answered = await allowing.options("/v1/completions", headers=allowed)
     assert answered.status_code == 200
     assert answered.headers["access-control-allow-origin"] == "http://app.example"
+
+
+@pytest.mark.asyncio
+async def test_tokenize_runs_off_the_event_loop(http, tokenizer, monkeypatch):
+    """Issue 12: /tokenize ran the tokenizer on the event loop, so a 1 MB prompt held every
+    other client (/health: 51 ms -> 1.3 s). Here the tokenizer blocks until /health has been
+    answered: on the loop, it would wait forever."""
+    answered = threading.Event()
+    tokenizer_type, real_call = type(tokenizer), type(tokenizer).__call__
+
+    def blocking_call(self, text, *args, **kwargs):
+        if text == "block":
+            assert answered.wait(10), "the tokenizer held the event loop"
+        return real_call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_type, "__call__", blocking_call)
+    pending = asyncio.create_task(http.post("/tokenize", json={"prompt": "block"}))
+    health = await http.get("/health")
+    answered.set()
+    assert health.status_code == 200
+    assert (await pending).json()["count"] > 0
