@@ -7,15 +7,27 @@ wheel (6.2, whose XAUTOCLAIM reports trimmed entries differently: see field note
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 logger = logging.getLogger("kvrail.redis")
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """A `preexec_fn`: the child gets SIGKILL when the thread that started it ends, however it
+    ends (Linux's PR_SET_PDEATHSIG; elsewhere nothing). Killing a test run or `kvrail serve`
+    left redis-server, workers and APIs running in their own sessions (issue 12)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def find_redis_server() -> str:
@@ -70,7 +82,11 @@ class EmbeddedRedis:
         if self.password:
             args += ["--requirepass", self.password]
         self.process = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

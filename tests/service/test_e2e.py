@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from engine import LLM, SamplingParams
 from queueing.client import KvrailClient
-from queueing.redis_server import EmbeddedRedis, free_port
+from queueing.redis_server import EmbeddedRedis, die_with_parent, free_port
 from queueing.schema import GenerateRequest, keys
 from tests.engine.tiny_models import make_tiny_model, smollm2_dir
 
@@ -38,6 +38,7 @@ def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=die_with_parent,  # nothing outlives a killed test run
     )
 
 
@@ -316,6 +317,7 @@ def test_make_run_serves_within_the_readme_bound(tmp_path):
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=die_with_parent,  # nothing outlives a killed test run
     )
     try:
         elapsed = wait_healthy(f"http://127.0.0.1:{port}", proc, log, SERVE_READY_S)
