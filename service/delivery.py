@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from queueing import streams
 from queueing.schema import (
@@ -90,9 +90,17 @@ class Delivery:
 
     async def ingest(self, entry_id: str, data: bytes | None) -> None:
         """Serve one entry. A Redis error propagates (the entry stays pending and is claimed
-        again); any other fault answers the entry as a bad one."""
+        again), unless it is the entry's own: a key of the wrong type (`WRONGTYPE`), which
+        no retry mends (issue 12: such an entry restarted the ingest loop forever, and the
+        good requests read with it got no answer). Any other fault answers the entry as a
+        bad one."""
         try:
             await self._ingest(entry_id, data)
+        except ResponseError as e:
+            if not str(e).startswith("WRONGTYPE"):
+                raise
+            log.warning("request entry meets a key of the wrong type", entry_id=entry_id)
+            self.reject(entry_id, data, f"redis error: {e}")
         except RedisError:
             raise
         except Exception as e:

@@ -274,6 +274,24 @@ async def test_engine_fault_and_running_deadline_fail_only_their_requests(
     assert await num_pending(redis) == 0
 
 
+async def test_a_key_of_the_wrong_type_fails_only_its_own_request(engine, redis, redis_url):
+    """Issue 12: a response key that is not a stream made the ingest loop restart on its
+    entry forever (WRONGTYPE), and the good requests read with it got no answer."""
+    await redis.set(keys.response("poison-x"), b"not a stream")
+    await submit(redis, GenerateRequest("poison-x", prompt=PROMPT))
+    good = dict(max_tokens=4, **GREEDY)
+    await submit(redis, GenerateRequest("good", prompt=PROMPT, sampling=good))
+    async with serving(engine, redis_url):
+        chunks = await read_chunks(redis, "good")
+        deadline = time.monotonic() + 10
+        while not await redis.xlen(keys.dead) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    assert chunks[-1].usage["completion_tokens"] == 4
+    [(_, dead)] = await redis.xrange(keys.dead)
+    assert dead[b"reason"].startswith(b"redis error: WRONGTYPE")
+    assert await num_pending(redis) == 0
+
+
 async def test_keys_of_a_running_request_outlive_their_ttl(engine, redis, redis_url, monkeypatch):
     """Issue 12: with a short TTL, `kvrail:req:{id}` and `kvrail:sse:{id}` expired while their
     request still ran. The heartbeat renews them while the worker holds the request."""
