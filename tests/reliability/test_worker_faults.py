@@ -16,7 +16,7 @@ from queueing.schema import GenerateRequest, TokenChunk, keys
 from service import metrics
 from tests.engine.tiny_models import make_tiny_model
 from tests.reliability.harness import GREEDY, prompts
-from tests.service.test_worker import read_chunks, serving, submit
+from tests.service.test_worker import hold_steps, read_chunks, serving, submit
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -120,24 +120,12 @@ async def _finish_times(r, request_ids: list[str]) -> list[tuple[list[TokenChunk
     return await asyncio.gather(*(one(rid) for rid in request_ids))
 
 
-async def test_deadlines_end_running_and_queued_requests_on_time(model_dir, redis_url):
+async def test_deadlines_end_running_and_queued_requests_on_time(model_dir, redis_url, monkeypatch):
     """Two sequences at a time; six long requests with a 400 ms deadline (two run, four wait)
     and two without: the six end with "deadline exceeded" within one heartbeat tick of their
     deadline, no chunk of theirs is stored later, and the other two complete."""
     engine = tiny_engine(model_dir, max_num_seqs=2)
-    real_step, late_steps = engine.engine_core.step, [0]
-
-    def step_holding_late_requests():
-        """After 3 steps with a `late` request in the engine, steps make no progress while one
-        is there: only their deadlines end them, however fast the machine (issue 12)."""
-        if any(engine.get_unfinished_request(f"late{i}") for i in range(6)):
-            late_steps[0] += 1
-            if late_steps[0] > 3:
-                time.sleep(0.005)
-                return []
-        return real_step()
-
-    engine.engine_core.step = step_holding_late_requests
+    hold_steps(engine, monkeypatch, [f"late{i}" for i in range(6)], free_steps=3)
     r = streams.connect(redis_url)
     async with serving(engine, redis_url, claim_idle_ms=1000) as worker:
         deadline_ms = int(time.time() * 1000) + 400

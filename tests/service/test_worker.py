@@ -55,6 +55,26 @@ async def serving(engine, redis_url, name="w1", grace_s=5.0, **kwargs):
     assert not engine.has_unfinished_requests()
 
 
+def hold_steps(engine, monkeypatch, request_ids, free_steps=0, release=None):
+    """After `free_steps` steps with one of `request_ids` in the engine, steps make no
+    progress while one is there (until `release` is set): only a deadline or an abort ends
+    them, however fast or loaded the machine (timing generation with sleeps failed on a fast
+    machine: issue 12)."""
+    real_step, held = engine.engine_core.step, [0]
+
+    def step():
+        if any(engine.get_unfinished_request(r) for r in request_ids) and not (
+            release is not None and release.is_set()
+        ):
+            held[0] += 1
+            if held[0] > free_steps:
+                time.sleep(0.005)
+                return []
+        return real_step()
+
+    monkeypatch.setattr(engine.engine_core, "step", step)
+
+
 async def submit(r, request: GenerateRequest) -> str:
     return (await r.xadd(keys.requests, {"data": request.encode()})).decode()
 
@@ -233,24 +253,16 @@ async def test_bad_entries_are_dead_lettered_and_the_worker_keeps_serving(engine
 async def test_engine_fault_and_running_deadline_fail_only_their_requests(
     engine, redis, redis_url, monkeypatch
 ):
-    real_step = engine.engine_core.step
-    calls = {"n": 0, "slow": 0}
+    hold_steps(engine, monkeypatch, ["slow"], free_steps=3)  # its prompt and 2 tokens
+    held_step, calls = engine.engine_core.step, [0]
 
-    def step_failing_once_then_holding_slow():
-        """The first step fails. Once "slow" has had 3 steps (its prompt and 2 tokens), steps
-        make no progress while it runs, so only its deadline ends it, however fast or loaded
-        the machine (timing it with sleeps failed on a fast machine: issue 12)."""
-        calls["n"] += 1
-        if calls["n"] == 1:
+    def step_failing_once():
+        calls[0] += 1
+        if calls[0] == 1:
             raise RuntimeError("injected fault")
-        if engine.get_unfinished_request("slow") is not None:
-            calls["slow"] += 1
-            if calls["slow"] > 3:
-                time.sleep(0.005)
-                return []
-        return real_step()
+        return held_step()
 
-    monkeypatch.setattr(engine.engine_core, "step", step_failing_once_then_holding_slow)
+    monkeypatch.setattr(engine.engine_core, "step", step_failing_once)
     await submit(redis, GenerateRequest("fault", prompt=PROMPT))
     async with serving(engine, redis_url):
         fault = await read_chunks(redis, "fault")
@@ -295,15 +307,8 @@ async def test_a_key_of_the_wrong_type_fails_only_its_own_request(engine, redis,
 async def test_keys_of_a_running_request_outlive_their_ttl(engine, redis, redis_url, monkeypatch):
     """Issue 12: with a short TTL, `kvrail:req:{id}` and `kvrail:sse:{id}` expired while their
     request still ran. The heartbeat renews them while the worker holds the request."""
-    real_step, release = engine.engine_core.step, threading.Event()
-
-    def step_holding_long():  # "long" makes no progress until released
-        if engine.get_unfinished_request("long") is not None and not release.is_set():
-            time.sleep(0.005)
-            return []
-        return real_step()
-
-    monkeypatch.setattr(engine.engine_core, "step", step_holding_long)
+    release = threading.Event()
+    hold_steps(engine, monkeypatch, ["long"], release=release)
     await redis.set(keys.sse("long"), b"{}", ex=1)  # as the API stores an SSE shape
     sampling = dict(max_tokens=4, **GREEDY)
     await submit(redis, GenerateRequest("long", prompt=PROMPT, sampling=sampling))
