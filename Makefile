@@ -64,6 +64,10 @@ gpu-check:
 
 # `make test-reliability`: the fault-injection tests (worker kills, Redis restarts, overload,
 # fuzzing) behind the `reliability` marker, about 10 minutes on 2 cores. See docs/reliability.md.
-.PHONY: test-reliability
+# `make test-reliability-loaded`: the same beside two CPU-bound processes (a busy machine).
+.PHONY: test-reliability test-reliability-loaded
 test-reliability: $(STAMP)
 	$(PY) -m pytest -q -m reliability tests/reliability
+
+test-reliability-loaded: $(STAMP)
+	$(PY) -m pytest -q -m reliability tests/reliability --busy-processes 2

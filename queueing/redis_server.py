@@ -55,10 +55,17 @@ class EmbeddedRedis:
     """A private redis-server process; `url` is set once it answers PING."""
 
     def __init__(
-        self, appendonly: bool = False, port: int | None = None, password: str = ""
+        self,
+        appendonly: bool = False,
+        port: int | None = None,
+        password: str = "",
+        appendfsync: str = "everysec",
     ) -> None:
+        if appendfsync not in ("always", "everysec", "no"):
+            raise ValueError(f"appendfsync must be always, everysec or no, not {appendfsync!r}")
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.appendfsync = appendfsync  # with appendonly: when the AOF reaches the disk
         self.password = password
         self.dir = Path(tempfile.mkdtemp(prefix="kvrail-redis-"))
         self.process: subprocess.Popen | None = None
@@ -77,6 +84,7 @@ class EmbeddedRedis:
             "--dir", str(self.dir),
             "--save", "",
             "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", self.appendfsync,
             "--protected-mode", "yes",
         ]  # fmt: skip
         if self.password:
@@ -111,10 +119,11 @@ class EmbeddedRedis:
             return s.recv(64).startswith(b"+PONG")
         return False
 
-    def stop(self) -> None:
-        """Stop the server (its data dir stays, so a restart with AOF finds its data)."""
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        """Stop the server (its data dir stays, so a restart with AOF finds its data).
+        SIGTERM lets it flush the AOF; SIGKILL is a crash: only what it had written stays."""
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+            self.process.send_signal(sig)
             try:
                 self.process.wait(5)
             except subprocess.TimeoutExpired:

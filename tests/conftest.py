@@ -4,9 +4,36 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import subprocess
+import sys
+
 import pytest
 
-from queueing.redis_server import EmbeddedRedis
+from queueing.redis_server import EmbeddedRedis, die_with_parent
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--busy-processes",
+        type=int,
+        default=0,
+        help="run N processes that spin on a CPU beside the tests (a loaded machine)",
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def busy_processes(request):
+    """`--busy-processes N`: N CPU-bound spinners for the whole session, so tests that wait on
+    conditions can be shown to hold on a machine with other work
+    (`make test-reliability-loaded`)."""
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=die_with_parent)
+        for _ in range(request.config.getoption("--busy-processes"))
+    ]
+    yield len(spinners)
+    for spinner in spinners:
+        spinner.kill()
+        spinner.wait()
 
 
 @pytest.fixture(scope="session")

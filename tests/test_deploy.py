@@ -50,7 +50,10 @@ def test_compose_file_is_valid_and_complete(tmp_path, monkeypatch):
     ).stdout
     services = json.loads(out)["services"]
     assert {"redis", "worker", "worker-gpu", "api"} <= set(services)
-    assert "--appendonly" in services["redis"]["command"]
+    command = services["redis"]["command"]
+    # A crash of Redis loses no accepted request only when each write is fsynced first.
+    assert command[command.index("--appendonly") + 1] == "yes"
+    assert command[command.index("--appendfsync") + 1] == "always"
     # Workers' healthcheck lives in their Dockerfiles (checked below).
     assert "healthcheck" in services["redis"] and "healthcheck" in services["api"]
     gpu = services["worker-gpu"]

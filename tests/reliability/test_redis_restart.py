@@ -1,15 +1,17 @@
 """Fault 2: Redis stopped and restarted mid-run, under `kvrail worker` and `kvrail api`.
 
-With AOF (as docker-compose.yml runs it) the streams survive: workers and the API reconnect
-with backoff and every request accepted before the restart completes with the reference
-tokens. Without persistence the requests are gone: a waiting client gets a clear error
-(`RedisDataLost`, HTTP 503) within seconds, long before its chunk timeout, and the worker
-keeps serving new requests.
+With AOF the streams survive: workers and the API reconnect with backoff and every request
+accepted before the restart completes with the reference tokens. That holds for a clean stop
+(SIGTERM flushes the AOF) and, with `appendfsync always` as docker-compose.yml runs it, for a
+crash (SIGKILL: Redis answers a write only once it is on disk). Without persistence the
+requests are gone: a waiting client gets a clear error (`RedisDataLost`, HTTP 503) within
+seconds, long before its chunk timeout, and the worker keeps serving new requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
 
@@ -42,16 +44,23 @@ def model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
 
 
-def test_restart_with_aof_completes_every_accepted_request(model, tmp_path):
+@pytest.mark.parametrize(
+    ("stop_signal", "appendfsync"),
+    [(signal.SIGTERM, "everysec"), (signal.SIGKILL, "always")],
+    ids=["aof-sigterm", "aof-sigkill-fsync-always"],
+)
+def test_restart_with_aof_completes_every_accepted_request(
+    model, tmp_path, stop_signal, appendfsync
+):
     texts = prompts(60, "aof ")
     expected = reference(model, texts, 32)
-    redis = EmbeddedRedis(appendonly=True).start()
+    redis = EmbeddedRedis(appendonly=True, appendfsync=appendfsync).start()
     cluster = Cluster(model, redis.url, tmp_path)
     try:
         for name in ("w0", "w1"):
             cluster.start_worker(name, "--max-num-seqs", "2")
         cluster.start_api()
-        accepted = asyncio.run(_submit_across_restart(cluster, redis, texts, expected))
+        accepted = asyncio.run(_submit_across_restart(cluster, redis, stop_signal, texts, expected))
     finally:
         cluster.close()
         redis.cleanup()
@@ -59,7 +68,7 @@ def test_restart_with_aof_completes_every_accepted_request(model, tmp_path):
     assert accepted >= len(texts) // 3
 
 
-async def _submit_across_restart(cluster, redis, texts, expected) -> int:
+async def _submit_across_restart(cluster, redis, stop_signal, texts, expected) -> int:
     """Raw and HTTP requests, paced over ~6 s; Redis goes away for `OUTAGE_S` in the middle.
     Returns how many were accepted; each accepted one is checked against the reference."""
     async with (
@@ -67,7 +76,7 @@ async def _submit_across_restart(cluster, redis, texts, expected) -> int:
         httpx.AsyncClient(base_url=cluster.api_url, timeout=60) as http,
     ):
         await wait_for_workers(client, 2)
-        outage = asyncio.create_task(_outage(redis, after_s=2.0))
+        outage = asyncio.create_task(_outage(redis, stop_signal, after_s=2.0))
         checks = []
         for i, text in enumerate(texts):
             if i % 3 == 0:
@@ -80,9 +89,9 @@ async def _submit_across_restart(cluster, redis, texts, expected) -> int:
     return sum(results)
 
 
-async def _outage(redis: EmbeddedRedis, after_s: float) -> None:
+async def _outage(redis: EmbeddedRedis, stop_signal: signal.Signals, after_s: float) -> None:
     await asyncio.sleep(after_s)
-    await asyncio.to_thread(redis.stop)
+    await asyncio.to_thread(redis.stop, stop_signal)
     await asyncio.sleep(OUTAGE_S)
     await asyncio.to_thread(redis.start)
 
