@@ -18,6 +18,7 @@ from engine.kernels.cpu_runtime import dtype_code, empty, launch, ptr
 
 PANEL = 16  # output columns per packed panel
 KGROUP = 4  # consecutive k per 32-bit lane
+K_ALIGN = 64  # k padded to one AMX tile row (64 int8), so every tile step is full
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -107,7 +108,7 @@ def pack_int8(
         raise ValueError("a gate/up weight needs an even number of rows")
     rows = packed_rows(num_rows, silu_mul)
     valid = rows >= 0
-    k_padded = -(-in_features // KGROUP) * KGROUP
+    k_padded = -(-in_features // K_ALIGN) * K_ALIGN
     w = torch.zeros((len(rows), k_padded), dtype=torch.int8)
     w[valid, :in_features] = weight_q[rows[valid]]
 
