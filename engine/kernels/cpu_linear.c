@@ -20,10 +20,10 @@
  *   M = 1). Each output is a dot product along k (AVX512-BF16 vdpbf16ps where present),
  *   tiles of 4 rows x 4 columns, reduced horizontally once per tile.
  *
- * With AMX-INT8 (Sapphire Rapids and later), blocks of 32 rows x 2 panels run on the tile
- * unit instead: a B tile is 16 consecutive groups of a panel as packed (16 rows of 64 bytes:
- * 64 k x 16 columns), an A tile 16 tokens x 64 k, and one tdpbusd adds 16 x 16 x 64
- * products. Rows past the last full block of 32 take the vector path. Integer sums are
+ * With AMX-INT8 (Sapphire Rapids and later), blocks of 32 (or 16) rows x 2 panels run on
+ * the tile unit instead: a B tile is 16 consecutive groups of a panel as packed (16 rows of
+ * 64 bytes: 64 k x 16 columns), an A tile 16 tokens x 64 k, and one tdpbusd adds
+ * 16 x 16 x 64 products. Rows past the last multiple of 16 take the vector path. Integer sums are
  * exact either way and share one epilogue, so both paths give identical outputs.
  *
  * Without AVX512-VNNI, AVX2 multiplies the int8 panels through int16 (vpmaddwd); without
@@ -270,7 +270,8 @@ static void w8a8_dispatch(const uint8_t *xq, int64_t stride_xq, const int8_t *w,
 }
 
 #ifdef KVRAIL_AMX
-#define AMX_ROWS 32 /* rows per AMX block: two A tiles of 16 tokens */
+#define AMX_TILE_ROWS 16 /* tokens per A tile */
+#define AMX_ROWS 32      /* rows per AMX block: two A tiles; a last block may hold one */
 #define AMX_K 64    /* k per tile step: one 64-byte tile row */
 
 /* Linux grants a process the AMX tile state only on request; without it (an older kernel, a
@@ -300,33 +301,34 @@ static void amx_load_config(void) {
     _tile_loadconfig(&config);
 }
 
-/* acc[i][j * PANEL + c] (row stride MAX_NT * PANEL) = sums of rows 0..31 against nt (1 or 2)
- * panels; k_padded is a multiple of AMX_K (cpu_linear.pack_int8). */
+/* acc[i][j * PANEL + c] (row stride MAX_NT * PANEL) = sums of rows 0..16 mt - 1 against nt
+ * panels (mt, nt: 1 or 2); k_padded is a multiple of AMX_K (cpu_linear.pack_int8). */
 static void w8a8_amx_block(const uint8_t *xq, int64_t stride_xq, const int8_t *w,
-                           int64_t panel_bytes, int64_t k_padded, int nt, int32_t *acc) {
+                           int64_t panel_bytes, int64_t k_padded, int mt, int nt, int32_t *acc) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t k = 0; k < k_padded; k += AMX_K) {
         _tile_loadd(4, xq + k, stride_xq);
-        _tile_loadd(5, xq + 16 * stride_xq + k, stride_xq);
         _tile_loadd(6, w + k * PANEL, KGROUP * PANEL); /* groups k/4.. of the panel */
         _tile_dpbusd(0, 4, 6);
-        _tile_dpbusd(2, 5, 6);
         if (nt == 2) {
             _tile_loadd(7, w + panel_bytes + k * PANEL, KGROUP * PANEL);
             _tile_dpbusd(1, 4, 7);
-            _tile_dpbusd(3, 5, 7);
+        }
+        if (mt == 2) {
+            _tile_loadd(5, xq + AMX_TILE_ROWS * stride_xq + k, stride_xq);
+            _tile_dpbusd(2, 5, 6);
+            if (nt == 2) _tile_dpbusd(3, 5, 7);
         }
     }
     const int64_t stride_acc = MAX_NT * PANEL * sizeof(int32_t);
+    int32_t *lower = acc + AMX_TILE_ROWS * MAX_NT * PANEL;
     _tile_stored(0, acc, stride_acc);
-    _tile_stored(2, acc + 16 * MAX_NT * PANEL, stride_acc);
-    if (nt == 2) {
-        _tile_stored(1, acc + PANEL, stride_acc);
-        _tile_stored(3, acc + 16 * MAX_NT * PANEL + PANEL, stride_acc);
-    }
+    if (nt == 2) _tile_stored(1, acc + PANEL, stride_acc);
+    if (mt == 2) _tile_stored(2, lower, stride_acc);
+    if (mt == 2 && nt == 2) _tile_stored(3, lower + PANEL, stride_acc);
 }
 #endif
 
@@ -370,8 +372,8 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
     thread_range(a->num_panels, a->silu_mul ? 2 : 1, tid, num_threads, &begin, &end);
 #ifdef KVRAIL_AMX
     /* measured on 2 Sapphire Rapids cores: see benchmarks/results/linear_kernels-amx.md */
-    const int64_t amx_rows = M >= AMX_ROWS && k_padded % AMX_K == 0 && amx_usable()
-                                 ? M / AMX_ROWS * AMX_ROWS
+    const int64_t amx_rows = M >= AMX_TILE_ROWS && k_padded % AMX_K == 0 && amx_usable()
+                                 ? M / AMX_TILE_ROWS * AMX_TILE_ROWS
                                  : 0;
     if (amx_rows) amx_load_config();
 #endif
@@ -379,18 +381,20 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
         const int nt = end - p < MAX_NT ? (int)(end - p) : MAX_NT;
         int64_t m = 0;
 #ifdef KVRAIL_AMX
-        for (; m < amx_rows; m += AMX_ROWS) {
+        while (m < amx_rows) {
+            const int mt = amx_rows - m < AMX_ROWS ? 1 : 2;
             /* pairs of panels: with silu_mul, a (gate, up) pair, as the range starts even */
             for (int j = 0; j < nt; j += 2) {
                 int32_t acc[AMX_ROWS * MAX_NT * PANEL] __attribute__((aligned(64)));
                 const int ntj = nt - j < 2 ? nt - j : 2;
                 w8a8_amx_block(a->x_q + m * k_padded, k_padded, a->w_packed + (p + j) * panel_bytes,
-                               panel_bytes, k_padded, ntj, acc);
-                w8a8_epilogue(acc, AMX_ROWS, ntj, p + j, a->out_features, a->x_scale + m,
+                               panel_bytes, k_padded, mt, ntj, acc);
+                w8a8_epilogue(acc, mt * AMX_TILE_ROWS, ntj, p + j, a->out_features, a->x_scale + m,
                               a->w_scale, a->w_comp, a->bias, (int)a->silu_mul,
                               (char *)a->out + m * a->stride_out * out_size, (int)a->out_dtype,
                               a->stride_out);
             }
+            m += mt * AMX_TILE_ROWS;
         }
 #endif
         for (; m < M; m += MAX_MR) {

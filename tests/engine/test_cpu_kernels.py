@@ -107,14 +107,14 @@ def test_w8a8_matches_its_reference(dtype, m, n, k, silu_mul, has_bias):
 
 @pytest.mark.parametrize("silu_mul", [False, True])
 def test_w8a8_rows_do_not_depend_on_the_batch(silu_mul):
-    """Integer sums are exact on every path (AMX blocks of 32 rows where the CPU has AMX,
-    vector tiles of up to 6 rows, the tail) and all share one epilogue, so a row computed in
-    a batch of 300 equals the same row computed alone, bit for bit."""
-    x, w, bias = _int8_inputs(300, 100, 136, torch.bfloat16)
+    """Integer sums are exact on every path (AMX blocks of 32 and 16 rows where the CPU has
+    AMX, vector tiles of up to 6 rows, the tail) and all share one epilogue, so a row
+    computed in a batch of 308 equals the same row computed alone, bit for bit."""
+    x, w, bias = _int8_inputs(308, 100, 136, torch.bfloat16)  # 9 x 32 + 16 + 4 rows
     w_q, w_scale = quantize_rows_int8(w)
     packed = cpu_linear.pack_int8(w_q, w_scale, bias, silu_mul)
     out = cpu_linear.linear_w8a8(x, packed)
-    for i in (0, 15, 16, 31, 32, 287, 288, 299):  # block and tile edges
+    for i in (0, 15, 16, 31, 32, 287, 288, 303, 304, 307):  # block and tile edges
         assert torch.equal(out[i : i + 1], cpu_linear.linear_w8a8(x[i : i + 1], packed)), i
 
 
