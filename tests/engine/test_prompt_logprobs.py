@@ -13,9 +13,11 @@ from engine.llm_engine import merge_delta
 from tests.engine.test_llm import PROMPTS, assert_pool_free
 from tests.engine.tiny_models import make_tiny_model
 
-# fp32 on CPU, engine vs HF or chunked vs whole: measured up to 1.1e-4 on these chaotic tiny
-# models with the C kernels (their fast-math reductions sum in another order than torch).
-LOGPROB_TOL = 3e-4
+# fp32 on CPU, engine vs HF or chunked vs whole: measured up to 1.1e-4 on AMD EPYCs and
+# 3.4e-4 on an AMX Xeon, on these chaotic tiny models with the C kernels (their fast-math
+# reductions sum in another order than torch's, which itself picks kernels per CPU). A wrong
+# kernel or position is off by 1e-2 or more.
+LOGPROB_TOL = 1e-3
 BLOCK_SIZE = 16
 
 
