@@ -1,4 +1,12 @@
-"""EngineCore: the token-level loop of schedule -> execute -> update, owning KV and model."""
+"""EngineCore: the token-level loop of schedule -> execute -> update, owning KV and model.
+
+A step serves many requests, and a fault tied to one of them (issue 12: a seed that
+overflowed torch's generator) surfaces inside the shared step. The core makes such a step
+undoable, so that it can step subsets of its requests and fail only the culprit: the
+isolation belongs here, below `LLMEngine`, because only the core knows which requests a step
+served and how to take it back; every caller (`LLM.generate`, the service's engine thread)
+then sees one request fail instead of a batch.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +16,19 @@ from pathlib import Path
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineCoreOutput, EngineStats
-from engine.request import Request, RequestStatus
+from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler import Scheduler
 
 logger = logging.getLogger("kvrail.engine")
+
+
+class StepFailed(Exception):
+    """A step's model run raised (the cause) and was undone: `request_ids` are the requests
+    it served, each back in the waiting queue to be recomputed."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"a step of {len(request_ids)} requests failed")
+        self.request_ids = request_ids
 
 
 class EngineCore:
@@ -57,13 +74,63 @@ class EngineCore:
             self.scheduler.finish_requests([req_id], RequestStatus.FINISHED_STOPPED, stop)
 
     def step(self) -> list[EngineCoreOutput]:
-        """One engine iteration. Returns the tokens each request produced in it."""
+        """One engine iteration. Returns the tokens each request produced in it, or for a
+        request that failed it (see `_isolate`), its error."""
         if not self.scheduler.has_unfinished_requests() and not self.scheduler.finished_req_ids:
             return []
-        scheduler_output = self.scheduler.schedule()
-        # Runs even with nothing scheduled, so the runner drops finished requests' state.
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        try:
+            return self._step()
+        except StepFailed as failure:
+            return self._isolate(failure)
+
+    def _step(self, request_ids: set[str] | None = None) -> list[EngineCoreOutput]:
+        """Schedule (only `request_ids`, if given), execute, update. A model run that raises
+        is undone, then reported as `StepFailed` naming the requests the step served."""
+        scheduler_output = self.scheduler.schedule(request_ids)
+        try:
+            # Runs even with nothing scheduled, so the runner drops finished requests' state.
+            runner_output = self.model_runner.execute_model(scheduler_output)
+        except Exception as e:
+            self.scheduler.undo_step(scheduler_output)
+            raise StepFailed(list(scheduler_output.num_scheduled_tokens)) from e
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _isolate(self, failure: StepFailed) -> list[EngineCoreOutput]:
+        """Binary splitting over the requests of a failed (undone) step: each half of a
+        failed group steps alone, the others held aside. A half that steps cleanly is cleared
+        (its tokens are this step's output); one that raises is split again; a request that
+        raises alone fails, aborted with its error.
+
+        Each request steps cleanly at most once and groups halve, so a culprit is found
+        after log2(n) rounds of at most two steps, and a fault in every step (the model
+        itself) fails each of the n requests after at most 2n - 2 retries. A fault that does
+        not come back (a transient one) fails nobody, unless its step served one request.
+        """
+        logger.warning("a step of %d requests failed, isolating", len(failure.request_ids))
+        outputs: list[EngineCoreOutput] = []
+        failed = [failure]
+        while failed:
+            failure = failed.pop()
+            group = failure.request_ids
+            if len(group) > 1:
+                for half in (group[: len(group) // 2], group[len(group) // 2 :]):
+                    try:
+                        outputs += self._step(set(half))
+                    except StepFailed as half_failure:
+                        failed.append(half_failure)
+            elif group:  # none when the step had served none of its group: nobody to blame
+                error = failure.__cause__
+                logger.error("request %s failed a step alone", group[0], exc_info=error)
+                self.abort_requests(group)
+                outputs.append(
+                    EngineCoreOutput(
+                        group[0],
+                        [],
+                        finish_reason=FinishReason.ABORT,
+                        error=f"{type(error).__name__}: {error}",
+                    )
+                )
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -103,9 +103,7 @@ class BlockPool:
         blocks = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
-            if block.block_hash is not None:
-                del self.cached_block_hash_to_block[block.block_hash]
-                block.block_hash = None
+            self.uncache_block(block)
             block.ref_cnt = 1
             blocks.append(block)
         return blocks
@@ -125,6 +123,12 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
+
+    def uncache_block(self, block: KVCacheBlock) -> None:
+        """Forget the block's content: no prefix-cache lookup finds it any more."""
+        if block.block_hash is not None:
+            del self.cached_block_hash_to_block[block.block_hash]
+            block.block_hash = None
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Register a full block under its hash. When an equal block is cached already (two
@@ -212,6 +216,14 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
+
+    def uncache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Take out of the prefix cache the request's blocks past its first
+        `num_computed_tokens` tokens: `allocate_slots` caches blocks before the step's forward
+        writes their KV, so a step that failed leaves them cached without it."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        for block in blocks[num_computed_tokens // self.block_size :]:
+            self.block_pool.uncache_block(block)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request_id, [])]

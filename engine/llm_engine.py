@@ -222,13 +222,22 @@ class LLMEngine:
         return UnfinishedRequest(request_id, len(parent.prompt_token_ids), open_indices)
 
     def step(self) -> list[RequestOutput]:
-        """One engine step. Returns, per request that progressed, the new text and tokens."""
+        """One engine step. Returns, per request that progressed, the new text and tokens.
+
+        A request whose choice failed the step alone (`EngineCore.step`) ends with its
+        `error`, its other choices aborted; the rest of the batch goes on. An exception
+        raised here is one the core could not undo.
+        """
         deltas: dict[str, list[CompletionOutput]] = {}
         prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = {}
         stops: dict[str, str] = {}
+        errors: dict[str, str] = {}
         for out in self.engine_core.step():
             parent_id = self.child_to_parent.get(out.request_id)
             if parent_id is None:
+                continue
+            if out.error is not None:
+                errors[parent_id] = out.error
                 continue
             parent = self.parents[parent_id]
             delta = self._process_output(parent, out, stops)
@@ -240,7 +249,23 @@ class LLMEngine:
         if stops:
             self.engine_core.finish_requests_by_stop_string(stops)
         outputs = []
+        for parent_id, error in errors.items():
+            parent = self.parents[parent_id]
+            self.abort_request(parent_id)
+            outputs.append(
+                RequestOutput(
+                    parent_id,
+                    parent.prompt,
+                    parent.prompt_token_ids,
+                    [],
+                    finished=True,
+                    num_cached_tokens=parent.num_cached_tokens,
+                    error=error,
+                )
+            )
         for parent_id, completions in deltas.items():
+            if parent_id in errors:
+                continue
             parent = self.parents[parent_id]
             finished = parent.finished
             outputs.append(
@@ -325,6 +350,7 @@ def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutpu
     acc.outputs = sorted(by_index.values(), key=lambda c: c.index)
     acc.finished = delta.finished
     acc.num_cached_tokens = delta.num_cached_tokens
+    acc.error = delta.error
     if delta.prompt_logprobs is not None:
         acc.prompt_logprobs = delta.prompt_logprobs
     return acc

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -373,10 +374,7 @@ class ModelRunner:
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diffs to the runner's copy of each request."""
-        for req_id in scheduler_output.finished_req_ids:
-            state = self.requests.pop(req_id, None)
-            if state is not None:
-                self.free_rows.append(state.row)
+        self._forget(scheduler_output.finished_req_ids)
         for new in scheduler_output.scheduled_new_reqs:
             params = new.sampling_params
             generator = None
@@ -404,6 +402,13 @@ class ModelRunner:
             else:
                 state.block_ids.extend(cached.new_block_ids[i])
             self.block_table_cpu[state.row, : len(state.block_ids)] = state.block_ids
+
+    def _forget(self, req_ids: Iterable[str]) -> None:
+        """Drop the runner's copy of these requests (those it holds) and free their rows."""
+        for req_id in req_ids:
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.free_rows.append(state.row)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput, req_ids: list[str]):
         """The step's flat tensors, built with vectorised gathers on the persistent arrays."""
@@ -447,9 +452,23 @@ class ModelRunner:
         logits_indices = cu_num_tokens[is_sampling] - 1
         return to_device(input_ids), to_device(positions), common, is_sampling, logits_indices
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: update request copies, forward the flat batch, sample."""
+        """Run one step: update request copies, forward the flat batch, sample.
+
+        A step that raises changes nothing the next one relies on: the requests it added are
+        forgotten (the scheduler sends them again as new, `Scheduler.undo_step`), those it
+        resumes get their whole block table again, and per-request state that outlives a
+        step (sampled tokens, generators, returned prompt logprobs) changes only once
+        sampling has succeeded.
+        """
+        try:
+            return self._execute_model(scheduler_output)
+        except Exception:
+            self._forget(new.req_id for new in scheduler_output.scheduled_new_reqs)
+            raise
+
+    @torch.inference_mode()
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         if not req_ids:
@@ -462,7 +481,7 @@ class ModelRunner:
         else:
             with set_forward_context(self.attn_backend.build(common)):
                 hidden_states = self.model(input_ids, positions)
-        prompt_logprobs = self._compute_prompt_logprobs(scheduler_output, req_ids, hidden_states)
+        completed = self._compute_prompt_logprobs(scheduler_output, req_ids, hidden_states)
         sampling_states = [self.requests[r] for r, s in zip(req_ids, is_sampling, strict=True) if s]
         sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[LogprobsEntry | None] = [None] * len(req_ids)
@@ -493,20 +512,23 @@ class ModelRunner:
                     self.token_ids_cpu[state.row, state.num_tokens - 1] = tokens[j]
                 sampled_token_ids[sample_idx[j]] = [tokens[j]]
                 logprobs[sample_idx[j]] = entries[j]
+        prompt_logprobs = {}
+        for state in completed:
+            prompt_logprobs[state.req_id], state.prompt_logprobs = state.prompt_logprobs, None
         return ModelRunnerOutput(req_ids, sampled_token_ids, logprobs, prompt_logprobs)
 
     def _compute_prompt_logprobs(
         self, scheduler_output: SchedulerOutput, req_ids: list[str], hidden_states: torch.Tensor
-    ) -> dict[str, list[LogprobsEntry]]:
+    ) -> list[CachedRequestState]:
         """Prompt logprobs from this step's rows, for the requests that ask for them.
 
         The row of prompt position p gives log P(prompt[p + 1] | prompt[:p + 1]). Entries
-        accumulate in the request's state chunk by chunk; the step that completes the prompt
-        returns them all (req_id -> [P - 1] entries). Rows recomputed after a preemption are
-        skipped: the entries computed before it are kept.
+        accumulate in the request's state chunk by chunk; returns the requests whose prompt
+        this step completes, whose entries the step returns ([P - 1] each). Rows recomputed
+        after a preemption or a failed step are skipped: the entries computed before are kept.
         """
         if all(self.requests[r].prompt_logprobs is None for r in req_ids):
-            return {}
+            return []
         rows: list[int] = []  # rows of `hidden_states` to take logits of
         target_ids: list[int] = []  # per row, the next prompt token
         num_logprobs: list[int] = []  # per row, its request's top-N
@@ -545,7 +567,4 @@ class ModelRunner:
         for state, num_rows in segments:
             state.prompt_logprobs += entries[start : start + num_rows]
             start += num_rows
-        result = {}
-        for state in completed:
-            result[state.req_id], state.prompt_logprobs = state.prompt_logprobs, None
-        return result
+        return completed

@@ -73,6 +73,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # the request failed a step alone (finish_reason ABORT)
 
 
 @dataclass
@@ -111,6 +112,9 @@ class RequestOutput:
     # When asked: per prompt position, None at 0, then the prompt's token and the top-N. A
     # `LLMEngine.step` delta has it once, on the step that completed the prompt.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # Why the request failed (finished, no new outputs): a step serving it alone raised
+    # this error, which other requests of its batch were spared.
+    error: str | None = None
 
 
 @dataclass(frozen=True)

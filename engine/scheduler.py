@@ -8,7 +8,7 @@ continuous batching, chunked prefill mixed with decodes, and recompute after pre
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import KVCacheManager
@@ -55,8 +55,12 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def schedule(self) -> SchedulerOutput:
-        """Spend this step's `token_budget`; see the module docstring. Mutates request state."""
+    def schedule(self, request_ids: Container[str] | None = None) -> SchedulerOutput:
+        """Spend this step's `token_budget`; see the module docstring. Mutates request state.
+
+        With `request_ids`, only those requests get tokens: the others are held aside (the
+        running keep their blocks, the waiting their place), as `EngineCore` isolates a fault.
+        """
         token_budget = self.config.max_num_batched_tokens
         num_scheduled_tokens: dict[str, int] = {}
         preempted: list[Request] = []
@@ -71,7 +75,9 @@ class Scheduler:
             num_new_tokens = self._clip(
                 request.num_tokens - request.num_computed_tokens, token_budget
             )
-            if num_new_tokens == 0:
+            if num_new_tokens == 0 or (
+                request_ids is not None and request.request_id not in request_ids
+            ):
                 req_index += 1
                 continue
             while True:
@@ -91,10 +97,11 @@ class Scheduler:
             req_index += 1
 
         # Then waiting ones, in order, while there is budget, room in the batch and KV room.
-        while self.waiting and token_budget > 0 and not preempted:
-            if len(self.running) >= self.config.max_num_seqs:
+        for request in self.waiting:
+            if token_budget <= 0 or preempted or len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting[0]
+            if request_ids is not None and request.request_id not in request_ids:
+                continue
             computed_blocks, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0:
                 computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -106,7 +113,6 @@ class Scheduler:
             )
             if new_blocks is None:
                 break
-            self.waiting.popleft()
             request.num_computed_tokens += num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
@@ -118,6 +124,8 @@ class Scheduler:
             self.running.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+        for request in new_reqs + resumed_reqs:
+            self.waiting.remove(request)  # the first ones, unless some were held aside
 
         output = self._make_output(num_scheduled_tokens, new_reqs, resumed_reqs, new_block_ids)
         # Counters advance now: the next schedule() sees this step's tokens as computed.
@@ -141,6 +149,26 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+
+    def undo_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Take back a step whose execution raised: its requests return to the head of the
+        waiting queue in their order, to be recomputed (the new ones as new: the runner forgot
+        them), and the blocks it was to fill leave the prefix cache, as their KV may be missing.
+        Preemptions it made stand: they only cost a recompute."""
+        self.finished_req_ids |= scheduler_output.finished_req_ids
+        new_req_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+        scheduled = scheduler_output.num_scheduled_tokens
+        for request in reversed([r for r in self.running if r.request_id in scheduled]):
+            self.running.remove(request)
+            num_computed_before = request.num_computed_tokens - scheduled[request.request_id]
+            self.kv_cache_manager.uncache_blocks(request, num_computed_before)
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            if request.request_id in new_req_ids:
+                request.status, request.num_cached_tokens = RequestStatus.WAITING, -1
+            else:
+                request.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(request)
 
     def _make_output(
         self,

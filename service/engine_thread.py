@@ -4,8 +4,11 @@ The asyncio side submits commands (`AddCommand`, `AbortCommand`, `STOP`) to a th
 queue; the thread drains it, runs `engine.step()` while there is work, blocks on the queue when
 idle (no busy spin), and hands events back through `emit` (the worker wraps
 `loop.call_soon_threadsafe`): `StepOutputs` (a step's `RequestOutput` deltas), `RequestAborted`,
-`RequestFailed`. An exception in a step fails that step's requests; the thread keeps serving.
-It uses only what `engine` exports: the worker never reaches into the engine's state.
+`RequestFailed`. A request that fails a step alone (the engine undoes a failed step and
+isolates its cause: `RequestOutput.error`) fails by itself, dead-lettered, while its batch goes
+on; an exception out of `engine.step()`, which the engine could not undo, fails every request.
+Either way the thread keeps serving. It uses only what `engine` exports: the worker never
+reaches into the engine's state.
 """
 
 from __future__ import annotations
@@ -166,12 +169,18 @@ class EngineThread(threading.Thread):
         try:
             outputs = self.engine.step()
         except Exception as e:
-            # A fault in one step must not end the worker: fail the requests it was serving
-            # (their KV is freed) and keep going with the next ones.
+            # Not undone, so no request can be trusted to go on; the worker must not end:
+            # fail them all (their KV is freed) and keep going with the next ones.
             logger.exception("engine step failed")
             failed = self.engine.abort_all()
             return [RequestFailed(rid, f"engine error: {e}", dead_letter=True) for rid in failed]
-        return [StepOutputs(outputs)] if outputs else []
+        served = [o for o in outputs if o.error is None]
+        events: list[EngineEvent] = [StepOutputs(served)] if served else []
+        return events + [
+            RequestFailed(o.request_id, f"engine error: {o.error}", dead_letter=True)
+            for o in outputs
+            if o.error is not None
+        ]
 
 
 async def load_engine(**kwargs: Any) -> LLMEngine:

@@ -75,6 +75,22 @@ def hold_steps(engine, monkeypatch, request_ids, free_steps=0, release=None):
     monkeypatch.setattr(engine.engine_core, "step", step)
 
 
+def step_together(engine, monkeypatch, request_ids):
+    """Steps make no progress until every one of `request_ids` is in the engine, so they share
+    their first step whatever the order and pace of their arrival."""
+    real_step, together = engine.engine_core.step, threading.Event()
+
+    def step():
+        if not together.is_set():
+            if not all(engine.get_unfinished_request(r) for r in request_ids):
+                time.sleep(0.005)
+                return []
+            together.set()
+        return real_step()
+
+    monkeypatch.setattr(engine.engine_core, "step", step)
+
+
 async def submit(r, request: GenerateRequest) -> str:
     return (await r.xadd(keys.requests, {"data": request.encode()})).decode()
 
@@ -283,6 +299,44 @@ async def test_engine_fault_and_running_deadline_fail_only_their_requests(
     assert after[-1].usage["completion_tokens"] == 4
     [(_, dead)] = await redis.xrange(keys.dead)
     assert dead[b"reason"] == b"engine error: injected fault"
+    assert await num_pending(redis) == 0
+
+
+async def test_a_fault_tied_to_one_request_fails_it_alone_in_its_batch(
+    engine, reference, redis, redis_url, monkeypatch
+):
+    """Issue 12: one request whose step raised (a seed past torch's range) failed the three
+    unrelated requests of its batch with "engine error" and dead-lettered them. The engine
+    now undoes the step and isolates the culprit: only it gets the error and a dead letter,
+    the others finish with their normal tokens."""
+    prompts = {"a": PROMPT, "b": "Once upon a time", "c": "The capital of Japan is"}
+    step_together(engine, monkeypatch, [*prompts, "poison"])
+    runner = engine.engine_core.model_runner
+    real_prepare_inputs = runner._prepare_inputs
+
+    def prepare_inputs(scheduler_output, req_ids):
+        inputs = real_prepare_inputs(scheduler_output, req_ids)
+        if "poison" in req_ids:
+            raise RuntimeError("injected fault")
+        return inputs
+
+    monkeypatch.setattr(runner, "_prepare_inputs", prepare_inputs)
+    sampling = dict(max_tokens=8, **GREEDY)
+    for request_id, prompt in prompts.items():
+        await submit(redis, GenerateRequest(request_id, prompt=prompt, sampling=sampling))
+        if request_id == "a":
+            await submit(redis, GenerateRequest("poison", prompt=PROMPT, sampling=sampling))
+    async with serving(engine, redis_url):
+        poison = await read_chunks(redis, "poison")
+        served = {r: await read_chunks(redis, r) for r in prompts}
+    for request_id, prompt in prompts.items():
+        chunks = served[request_id]
+        assert chunks[-1].finish_reason == "length" and chunks[-1].error is None
+        assert joined(chunks) == reference(prompt, 8), request_id
+    assert poison[-1].finish_reason == "error"
+    assert poison[-1].error == "engine error: RuntimeError: injected fault"
+    [(_, dead)] = await redis.xrange(keys.dead)
+    assert dead[b"reason"] == b"engine error: RuntimeError: injected fault"
     assert await num_pending(redis) == 0
 
 
