@@ -23,7 +23,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from engine import load_tokenizer, resolve_model
 from queueing.client import KvrailClient
-from service.generation import ApiState, WorkerView
+from service.generation import ApiState, Readers, WorkerView
 from service.handlers import ROUTES
 from service.middleware import EXCEPTION_HANDLERS, ApiKeyMiddleware, HttpMetricsMiddleware
 from service.settings import Settings
@@ -47,9 +47,9 @@ def create_app(
     """The API app serving `model_name` with the tokenizer in `tokenizer_dir`.
 
     Its limits and API key are the `settings`' (api_key, max_body_bytes, max_pending,
-    stream_timeout_s, response_ttl_s). `max_model_len` is only reported when no worker is
-    alive; `worker_cache_s` is how long a read of the worker heartbeats is reused. The Redis
-    client and its response reader live for the app's lifespan.
+    stream_timeout_s, response_ttl_s, resume_grace_s). `max_model_len` is only reported when
+    no worker is alive; `worker_cache_s` is how long a read of the worker heartbeats is
+    reused. The Redis client and its response reader live for the app's lifespan.
     """
     state = ApiState(
         model_name=model_name,
@@ -64,7 +64,11 @@ def create_app(
         async with KvrailClient(redis_url, chunk_timeout_s=settings.stream_timeout_s) as client:
             state.client = client
             state.workers = WorkerView(client, worker_cache_s)
-            yield
+            state.readers = Readers(client, settings.resume_grace_s, settings.response_ttl_s)
+            try:
+                yield
+            finally:
+                state.readers.close()
 
     app = Starlette(routes=ROUTES, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
     app.state.api = state

@@ -101,6 +101,13 @@ class Settings:
     # unset: none (preflights are refused).
     cors_origins: tuple[str, ...] = _setting("KVRAIL_CORS_ORIGINS", (), _origins)
 
+    # How the API treats its connections (issue 12). A streaming client that dropped its
+    # connection has this long to resume it (`/v1/streams/{id}`, on any API process) before
+    # its request is aborted; 0: aborted at once.
+    resume_grace_s: float = _setting(
+        "KVRAIL_RESUME_GRACE_S", 30.0, _number, lambda v: v >= 0, "must be a number >= 0"
+    )
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value, check = getattr(self, f.name), f.metadata["check"]

@@ -330,7 +330,10 @@ async def wait_for_abort(redis_url: str, request_id: str, timeout_s: float = 5.0
 
 
 @pytest.mark.asyncio
-async def test_stream_disconnect_aborts(http, worker, redis_url):
+async def test_stream_disconnect_aborts_at_once_without_a_resume_grace(
+    start_api, worker, redis_url
+):
+    http = await start_api(resume_grace_s=0)  # with a grace: tests/service/test_resume.py
     worker.tokens, worker.delay_s = 50, 0.1
     body = {"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 50}
     async with http.stream("POST", "/v1/completions", json=body) as response:

@@ -22,6 +22,7 @@ def test_values_are_parsed_by_type():
             "KVRAIL_STREAM_TIMEOUT_S": "2.5",
             "KVRAIL_SHUTDOWN_GRACE_S": "0",
             "KVRAIL_CORS_ORIGINS": "https://a.example, http://b.example:8080,",
+            "KVRAIL_RESUME_GRACE_S": "0",
         }
     )
     assert settings.cors_origins == ("https://a.example", "http://b.example:8080")
@@ -29,6 +30,7 @@ def test_values_are_parsed_by_type():
     assert (settings.log_level, settings.log_json) == ("DEBUG", False)
     assert (settings.max_pending, settings.stream_timeout_s) == (7, 2.5)
     assert settings.shutdown_grace_s == 0
+    assert settings.resume_grace_s == 0
 
 
 @pytest.mark.parametrize(
@@ -41,6 +43,8 @@ def test_values_are_parsed_by_type():
         ({"KVRAIL_LOG_JSON": "maybe"}, "KVRAIL_LOG_JSON must be a boolean, got 'maybe'"),
         ({"KVRAIL_CORS_ORIGINS": "evil.example"}, "KVRAIL_CORS_ORIGINS must be a comma-sep"),
         ({"KVRAIL_LOG_LEVEL": "loud"}, "KVRAIL_LOG_LEVEL must be one of DEBUG"),
+        ({"KVRAIL_RESUME_GRACE_S": "-0.5"}, "KVRAIL_RESUME_GRACE_S must be a number >= 0"),
+        ({"KVRAIL_RESUME_GRACE_S": "inf"}, "KVRAIL_RESUME_GRACE_S must be a number"),
     ],
 )
 def test_a_bad_value_names_its_variable(env, message):
