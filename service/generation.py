@@ -102,9 +102,11 @@ class Readers:
             await self._client.hold_reader(request_id, reader, self._ttl_s)
         return reader
 
-    async def leave(self, request_id: str, reader: str) -> None:
-        """`reader` left before the end: abort unless a reader is back within the grace."""
-        if self._grace_s == 0:
+    async def leave(self, request_id: str, reader: str, *, knew_id: bool) -> None:
+        """`reader` left before the end: abort unless a reader is back within the grace. A
+        reader that never learned the request id (the first event carries it) cannot come
+        back: its request is aborted at once, not left generating for the grace."""
+        if self._grace_s == 0 or not knew_id:
             await _abort(self._client, request_id)
             return
         try:
@@ -294,7 +296,7 @@ async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
     )
     reader = await state.readers.attach(parsed.request_id)
     await state.client.submit(generate)
-    return event_stream(state, shape, after_seq=-1, reader=reader)
+    return event_stream(state, shape, after_seq=-1, reader=reader, knew_id=False)
 
 
 async def _answer_whole(
@@ -344,19 +346,21 @@ def _stream_failure(error: StreamError) -> ApiError:
 
 
 def event_stream(
-    state: ApiState, shape: StreamShape, after_seq: int, reader: str
+    state: ApiState, shape: StreamShape, after_seq: int, reader: str, *, knew_id: bool
 ) -> EventStreamResponse:
     """The SSE response for `shape.request_id`'s chunks after `after_seq`, ending [DONE], read
-    by `reader` (`Readers.attach`), who leaves unless the response ends with the stream."""
+    by `reader` (`Readers.attach`), who leaves unless the response ends with the stream;
+    `knew_id`: the reader came with the request id (else it learns it from the first event)."""
     finished = False
 
     async def events() -> AsyncIterator[str]:
-        nonlocal finished
+        nonlocal finished, knew_id
         shaper = StreamEvents(shape, state.token_str, send_roles=after_seq < 0)
         try:
             async for chunk in state.client.stream(shape.request_id, after_seq):
                 for event in shaper.for_chunk(chunk):
                     yield event
+                    knew_id = True  # resumed once the event was sent
         except StreamError as e:
             await _abort(state.client, shape.request_id)
             yield StreamEvents.error(_stream_failure(e))
@@ -365,6 +369,6 @@ def event_stream(
 
     async def leave_unless_finished() -> None:
         if not finished:
-            await state.readers.leave(shape.request_id, reader)
+            await state.readers.leave(shape.request_id, reader, knew_id=knew_id)
 
     return EventStreamResponse(events(), leave_unless_finished)

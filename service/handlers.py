@@ -59,7 +59,7 @@ async def resume_stream(request: Request) -> Response:
     if stored is None:
         raise ApiError(404, f"No stream for request '{request_id}' (unknown or expired)")
     reader = await state.readers.attach(request_id)
-    return event_stream(state, StreamShape.from_json(stored), after_seq, reader)
+    return event_stream(state, StreamShape.from_json(stored), after_seq, reader, knew_id=True)
 
 
 async def list_models(request: Request) -> Response:

@@ -194,3 +194,24 @@ async def test_a_stream_nobody_resumes_is_aborted_once_the_grace_has_run_out(
     assert chunks[-1].finish_reason == "abort"
     assert grace_s <= ended_after_s < grace_s + 5, ended_after_s
     assert await aborts(redis_url) == [event["data"]["id"]]
+
+
+async def test_a_client_gone_before_its_first_event_has_its_request_aborted_at_once(
+    engine, model_dir, redis_url, monkeypatch
+):
+    """It never learned the request id (the first event carries it), so it cannot resume:
+    its request is not left generating for the grace."""
+    hold_steps(engine, monkeypatch, None)  # not a single token
+    async with (
+        serving(engine, redis_url) as worker,
+        two_apis(redis_url, model_dir, resume_grace_s=30) as (first, _),
+    ):
+        await started(worker, redis_url)
+        async with first.stream("POST", "/v1/completions", json=BODY) as response:
+            assert response.status_code == 200  # submitted; leaves before any event
+        await requests_in_progress(0)
+        [request_id] = await aborts(redis_url)  # sent before the departed request was over
+        r = aioredis.Redis.from_url(redis_url)
+        chunks = await read_chunks(r, request_id)
+        await r.aclose()
+    assert chunks[-1].finish_reason == "abort"
