@@ -360,7 +360,7 @@ def event_stream(
             async for chunk in state.client.stream(shape.request_id, after_seq):
                 for event in shaper.for_chunk(chunk):
                     yield event
-                    knew_id = True  # resumed once the event was sent
+                    knew_id = True  # resumed once the event is sent: the client has the id
         except StreamError as e:
             await _abort(state.client, shape.request_id)
             yield StreamEvents.error(_stream_failure(e))
