@@ -47,6 +47,32 @@ _MARKER_CHECK_S = 1.0  # how often the reader checks that Redis still holds its 
 _MARKER_TTL_S = 86_400
 _BACKLOG_COUNT_CAP = 10_000
 
+# The readers of a streaming request (`kvrail:readers:{id}`, a sorted set): each SSE connection
+# following it is a member, scored +inf while connected and, once it has left, by the time
+# (ms, Redis's clock: API processes on several hosts compare on one clock) until which its
+# request waits for a reader to come back before being aborted.
+_HOLD_READER = """
+local score = '+inf'
+if tonumber(ARGV[2]) >= 0 then
+  local t = redis.call('TIME')
+  score = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[2])
+end
+redis.call('ZADD', KEYS[1], score, ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+"""
+# -1: nothing to decide (the request is done, or a reader is connected: it decides when it
+# leaves); 0: no reader left and none due back; n > 0: ms until the last one's grace ends.
+_UNREAD_IN = """
+if redis.call('HGET', KEYS[2], 'state') == 'done' then return -1 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+if #last == 0 then return 0 end
+if last[2] == 'inf' then return -1 end
+return math.max(1, tonumber(last[2]) - now)
+"""
+
 StreamId = tuple[int, int]
 
 
@@ -255,7 +281,8 @@ class ResponseReader:
 
 class KvrailClient:
     """Asyncio producer client: `submit`, `stream`, `abort`, `workers`, `backlog`, `ping`,
-    and the SSE shape of a streaming request (`save_sse_shape`, `sse_shape`).
+    the SSE shape of a streaming request (`save_sse_shape`, `sse_shape`) and who reads it
+    (`hold_reader`, `unread_in`).
 
     Use as `async with KvrailClient(url) as client:`; `aclose()` stops the reader and closes
     the connections.
@@ -284,6 +311,8 @@ class KvrailClient:
         self._blocking_redis = connect(redis_url, blocking=True)
         self.reader = ResponseReader(self._blocking_redis, self.redis, block_ms)
         self.chunk_timeout_s = chunk_timeout_s
+        self._hold_reader = self.redis.register_script(_HOLD_READER)
+        self._unread_in = self.redis.register_script(_UNREAD_IN)
 
     async def __aenter__(self) -> KvrailClient:
         self.reader.start()
@@ -344,6 +373,24 @@ class KvrailClient:
     async def sse_shape(self, request_id: str) -> bytes | None:
         """The shape saved by `save_sse_shape`; None when unknown or expired."""
         return await self.redis.get(keys.sse(request_id))
+
+    async def hold_reader(
+        self, request_id: str, reader: str, ttl_s: int, grace_s: float | None = None
+    ) -> None:
+        """Record that `reader` follows `request_id`'s response: while it is connected
+        (`grace_s` None), or, once it has left, for `grace_s` more seconds. The record lives
+        `ttl_s` (at least the grace); a worker holding the request renews it."""
+        grace_ms = -1 if grace_s is None else round(grace_s * 1000)
+        await self._hold_reader(
+            keys=[keys.readers(request_id)],
+            args=[reader, grace_ms, max(ttl_s * 1000, grace_ms)],
+        )
+
+    async def unread_in(self, request_id: str) -> float | None:
+        """Seconds until `request_id` has no reader (0: none now, none due back); None when
+        there is nothing to decide: the request is done, or a reader is connected."""
+        ms = await self._unread_in(keys=[keys.readers(request_id), keys.request_state(request_id)])
+        return None if ms < 0 else ms / 1000
 
     async def ping(self) -> None:
         """Raise the Redis error unless Redis answers."""

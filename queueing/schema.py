@@ -66,6 +66,10 @@ class keys:  # a namespace of key builders, lower-case like a module
     def reader(reader_id: str) -> str:
         return f"{NAMESPACE}reader:{reader_id}"
 
+    @staticmethod
+    def readers(request_id: str) -> str:
+        return f"{NAMESPACE}readers:{request_id}"
+
 
 class SchemaError(ValueError):
     """A message that does not follow the schema; the text says what is wrong."""

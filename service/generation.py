@@ -3,7 +3,9 @@
 A request is tokenized here (the API loads only the tokenizer), checked against the live
 workers' `max_model_len` and the backlog, submitted to the workers through `KvrailClient`, and
 answered from its response stream as one JSON object or as SSE events. A client that goes
-away before the last chunk has its request aborted. `ApiState` is what every handler shares.
+away before the last chunk has its request aborted: at once when it waited for one JSON
+object, after `KVRAIL_RESUME_GRACE_S` when it read SSE, unless a reader came back by then
+(`Readers`). `ApiState` is what every handler shares.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +52,8 @@ from service.sse import EventStreamResponse, wait_for_disconnect
 
 RETRY_AFTER_BUSY_S = 1
 
+logger = logging.getLogger("kvrail.api")
+
 
 class WorkerView:
     """The live workers, re-read from Redis at most every `ttl_s` (SCAN is O(keyspace)).
@@ -68,6 +74,68 @@ class WorkerView:
         return self._workers
 
 
+class Readers:
+    """The SSE readers of streaming requests, and the abort of a request nobody reads.
+
+    A client whose connection drops may resume with `/v1/streams/{id}`, possibly on another
+    API process, so who reads a request is kept in Redis (`KvrailClient.hold_reader`), not
+    here: each SSE response is a reader from its start, and when it leaves before the last
+    event it becomes a reader due back within the grace period. The API process where a
+    reader left checks once the last grace has run out and aborts the request if no reader is
+    connected and the request has not finished (a reader still connected checks when it
+    leaves). Grace 0 aborts at once, as a non-streaming request always does.
+
+    An API process that stops cancels its pending checks, and one that dies leaves its
+    connected readers marked: those requests then run to their end instead of being aborted.
+    """
+
+    def __init__(self, client: KvrailClient, grace_s: float, ttl_s: int) -> None:
+        self._client = client
+        self._grace_s = grace_s
+        self._ttl_s = ttl_s
+        self._checks: set[asyncio.Task[None]] = set()
+
+    async def attach(self, request_id: str) -> str:
+        """A new reader of `request_id`, connected until `leave`; returns its name."""
+        reader = uuid.uuid4().hex
+        if self._grace_s > 0:
+            await self._client.hold_reader(request_id, reader, self._ttl_s)
+        return reader
+
+    async def leave(self, request_id: str, reader: str, *, knew_id: bool) -> None:
+        """`reader` left before the end: abort unless a reader is back within the grace. A
+        reader that never learned the request id (the first event carries it) cannot come
+        back: its request is aborted at once, not left generating for the grace."""
+        if self._grace_s == 0 or not knew_id:
+            await _abort(self._client, request_id)
+            return
+        try:
+            await self._client.hold_reader(request_id, reader, self._ttl_s, self._grace_s)
+        except RedisError as e:  # best effort, like the abort it stands for
+            logger.warning("cannot record that a reader of %s left: %s", request_id, e)
+            return
+        # A check of its own, started after this write: one started before may have read the
+        # readers before it and stopped, seeing this reader still connected.
+        check = asyncio.create_task(self._abort_when_unread(request_id))
+        self._checks.add(check)
+        check.add_done_callback(self._checks.discard)
+
+    async def _abort_when_unread(self, request_id: str) -> None:
+        try:
+            while (wait_s := await self._client.unread_in(request_id)) is not None:
+                if wait_s == 0:
+                    await self._client.abort(request_id)
+                    return
+                await asyncio.sleep(wait_s)
+        except RedisError as e:
+            logger.warning("cannot check the readers of %s: %s", request_id, e)
+
+    def close(self) -> None:
+        """Cancel the pending checks (their requests run to their end)."""
+        for check in list(self._checks):
+            check.cancel()
+
+
 @dataclass
 class ApiState:
     """Everything the handlers share; built by `create_app`, opened by its lifespan."""
@@ -80,6 +148,7 @@ class ApiState:
     started: int = field(default_factory=lambda: int(time.time()))
     client: KvrailClient = field(init=False)
     workers: WorkerView = field(init=False)
+    readers: Readers = field(init=False)
     token_str: TokenStrings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -225,8 +294,9 @@ async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
     await state.client.save_sse_shape(
         parsed.request_id, shape.to_json(), state.settings.response_ttl_s
     )
+    reader = await state.readers.attach(parsed.request_id)
     await state.client.submit(generate)
-    return event_stream(state, shape, after_seq=-1)
+    return event_stream(state, shape, after_seq=-1, reader=reader, knew_id=False)
 
 
 async def _answer_whole(
@@ -242,12 +312,12 @@ async def _answer_whole(
         if not collect.done():
             collect.cancel()
     if not collect.done() or collect.cancelled():
-        await _abort(state, parsed.request_id)
+        await _abort(state.client, parsed.request_id)
         return Response(status_code=STATUS_CLIENT_GONE)
     try:
         chunks = collect.result()
     except StreamError as e:
-        await _abort(state, parsed.request_id)
+        await _abort(state.client, parsed.request_id)
         raise _stream_failure(e) from None
     last = chunks[-1]
     if last.error is not None:
@@ -256,11 +326,11 @@ async def _answer_whole(
     return JSONResponse(body)
 
 
-async def _abort(state: ApiState, request_id: str) -> None:
+async def _abort(client: KvrailClient, request_id: str) -> None:
     """Abort a request, best effort: with Redis down the abort cannot be sent, and raising
     here would replace the answer the client is owed (the error) with a broken response."""
     with contextlib.suppress(RedisError):
-        await state.client.abort(request_id)
+        await client.abort(request_id)
 
 
 async def _collect(chunks: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
@@ -275,25 +345,30 @@ def _stream_failure(error: StreamError) -> ApiError:
     return ApiError(500, str(error), type="server_error", code="stream_error")
 
 
-def event_stream(state: ApiState, shape: StreamShape, after_seq: int) -> EventStreamResponse:
-    """The SSE response for `shape.request_id`'s chunks after `after_seq`, ending [DONE]."""
+def event_stream(
+    state: ApiState, shape: StreamShape, after_seq: int, reader: str, *, knew_id: bool
+) -> EventStreamResponse:
+    """The SSE response for `shape.request_id`'s chunks after `after_seq`, ending [DONE], read
+    by `reader` (`Readers.attach`), who leaves unless the response ends with the stream;
+    `knew_id`: the reader came with the request id (else it learns it from the first event)."""
     finished = False
 
     async def events() -> AsyncIterator[str]:
-        nonlocal finished
+        nonlocal finished, knew_id
         shaper = StreamEvents(shape, state.token_str, send_roles=after_seq < 0)
         try:
             async for chunk in state.client.stream(shape.request_id, after_seq):
                 for event in shaper.for_chunk(chunk):
                     yield event
+                    knew_id = True  # resumed once the event is sent: the client has the id
         except StreamError as e:
-            await _abort(state, shape.request_id)
+            await _abort(state.client, shape.request_id)
             yield StreamEvents.error(_stream_failure(e))
         finished = True
         yield StreamEvents.done()
 
-    async def abort_unless_finished() -> None:
+    async def leave_unless_finished() -> None:
         if not finished:
-            await _abort(state, shape.request_id)
+            await state.readers.leave(shape.request_id, reader, knew_id=knew_id)
 
-    return EventStreamResponse(events(), abort_unless_finished)
+    return EventStreamResponse(events(), leave_unless_finished)

@@ -58,7 +58,8 @@ async def resume_stream(request: Request) -> Response:
     stored = await state.client.sse_shape(request_id)
     if stored is None:
         raise ApiError(404, f"No stream for request '{request_id}' (unknown or expired)")
-    return event_stream(state, StreamShape.from_json(stored), after_seq)
+    reader = await state.readers.attach(request_id)
+    return event_stream(state, StreamShape.from_json(stored), after_seq, reader, knew_id=True)
 
 
 async def list_models(request: Request) -> Response:

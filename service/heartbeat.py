@@ -89,7 +89,12 @@ class Heartbeat:
         return [
             key
             for rid, f in self.inflight.items()
-            for key in (keys.request_state(rid), f.request.response_key, keys.sse(rid))
+            for key in (
+                keys.request_state(rid),
+                f.request.response_key,
+                keys.sse(rid),
+                keys.readers(rid),
+            )
         ]
 
     def _enforce_deadlines(self) -> None:

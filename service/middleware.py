@@ -1,5 +1,6 @@
-"""The API's cross-cutting HTTP layer: the API key check and the request metrics (ASGI
-middlewares), and the exception handlers that turn every error into OpenAI's error body.
+"""The API's cross-cutting HTTP layer: the API key check, the request metrics and the body
+timeout (ASGI middlewares), and the exception handlers that turn every error into OpenAI's
+error body.
 
 Redis down is the service being unavailable (503 with Retry-After), a client gone before its
 answer is 499 in the metrics, anything unexpected a logged 500.
@@ -7,6 +8,7 @@ answer is 499 in the metrics, anything unexpected a logged 500.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -95,6 +97,43 @@ class ApiKeyMiddleware:
         )
         response = JSONResponse(error.body(), 401, {"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
+
+
+class BodyTimeoutMiddleware:
+    """408 (and the connection closed) when a request's body has not all arrived `timeout_s`
+    after its head. uvicorn bounds neither the body nor the wait between its chunks: a body
+    sent one byte every 10 s held its connection and its handler as long as the client liked
+    (issue 12). Once the body is in, `receive` waits unbounded again: for a disconnect, all
+    through a long SSE response."""
+
+    def __init__(self, app: ASGIApp, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        body_in = False
+
+        async def receive_in_time() -> Message:
+            nonlocal body_in
+            if body_in:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise ApiError(
+                    408,
+                    f"The request body did not arrive within {self.timeout_s:g} s",
+                    code="request_timeout",
+                    headers={"Connection": "close"},  # the rest of the body is not awaited
+                ) from None
+            body_in = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, receive_in_time, send)
 
 
 class HttpMetricsMiddleware:

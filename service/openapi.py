@@ -301,6 +301,7 @@ _ERROR_TEXT = {
     "400": "Malformed JSON, a wrong type or value (param names it), or a prompt too long",
     "401": "Missing or wrong bearer API key (when the server has one)",
     "404": "Unknown model",
+    "408": "The body did not all arrive within KVRAIL_HTTP_BODY_TIMEOUT_S",
     "413": "Body larger than KVRAIL_MAX_BODY_BYTES",
     "415": "Body not sent as application/json",
     "429": "Too many requests pending; see Retry-After",
@@ -358,7 +359,7 @@ def _generation(request_schema: str, response_schema: str, summary: str) -> dict
             },
             "responses": {
                 "200": ok,
-                **_errors("400", "401", "404", "413", "415", "429", "500", "503", "504"),
+                **_errors("400", "401", "404", "408", "413", "415", "429", "500", "503", "504"),
             },
         }
     }
@@ -440,7 +441,7 @@ def openapi_document(model_name: str) -> dict[str, Any]:
                 "requestBody": tokenize_body,
                 "responses": {
                     "200": _json("TokenizeResponse", "Token ids"),
-                    **_errors("400", "401", "404", "413", "415"),
+                    **_errors("400", "401", "404", "408", "413", "415"),
                 },
             }
         },
@@ -451,7 +452,7 @@ def openapi_document(model_name: str) -> dict[str, Any]:
                 "requestBody": detokenize_body,
                 "responses": {
                     "200": _json("DetokenizeResponse", "The text"),
-                    **_errors("400", "401", "404", "413", "415"),
+                    **_errors("400", "401", "404", "408", "413", "415"),
                 },
             }
         },

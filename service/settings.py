@@ -101,6 +101,29 @@ class Settings:
     # unset: none (preflights are refused).
     cors_origins: tuple[str, ...] = _setting("KVRAIL_CORS_ORIGINS", (), _origins)
 
+    # How the API treats its connections (issue 12). A streaming client that dropped its
+    # connection has this long to resume it (`/v1/streams/{id}`, on any API process) before
+    # its request is aborted; 0: aborted at once.
+    resume_grace_s: float = _setting(
+        "KVRAIL_RESUME_GRACE_S", 30.0, _number, lambda v: v >= 0, "must be a number >= 0"
+    )
+    # Seconds a client has to send a request's head (request line and headers), from the
+    # connection's opening or from the first byte of a later request; then it is closed.
+    http_header_timeout_s: float = _setting(
+        "KVRAIL_HTTP_HEADER_TIMEOUT_S", 10.0, _number, lambda v: v > 0, "must be a number > 0"
+    )
+    # Seconds a client has to send a request's body, from the end of its head; then 408.
+    http_body_timeout_s: float = _setting(
+        "KVRAIL_HTTP_BODY_TIMEOUT_S", 30.0, _number, lambda v: v > 0, "must be a number > 0"
+    )
+    # Seconds a connection may stay idle after a response before it is closed.
+    http_keep_alive_s: float = _setting(
+        "KVRAIL_HTTP_KEEP_ALIVE_S", 5.0, _number, lambda v: v > 0, "must be a number > 0"
+    )
+    # Connections (and requests) served at once; a request beyond them gets 503. Keep the
+    # process's open-file limit (ulimit -n) above it.
+    http_max_connections: int = _positive_int("KVRAIL_HTTP_MAX_CONNECTIONS", 1000)
+
     def __post_init__(self) -> None:
         for f in fields(self):
             value, check = getattr(self, f.name), f.metadata["check"]

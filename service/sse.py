@@ -20,15 +20,14 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 
 class EventStreamResponse(Response):
-    """An SSE response that notices a client disconnect and calls `on_disconnect`.
+    """An SSE response that notices a client disconnect, and calls `on_close` once it ends,
+    however it ends: every event sent, the client gone, a failure, or the server stopping.
 
     The events are sent by one task while another waits for `http.disconnect`; whichever ends
     first stops the other, so a client that leaves during a silent stretch is still seen.
     """
 
-    def __init__(
-        self, events: AsyncIterator[str], on_disconnect: Callable[[], Awaitable[None]]
-    ) -> None:
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
         super().__init__()
         # Set whole: the base class would declare `content-length: 0` for the empty body.
         self.raw_headers = [
@@ -37,7 +36,7 @@ class EventStreamResponse(Response):
             (b"x-accel-buffering", b"no"),
         ]
         self.events = events
-        self.on_disconnect = on_disconnect
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         send_task = asyncio.create_task(self._send_all(send))
@@ -47,13 +46,12 @@ class EventStreamResponse(Response):
         finally:
             for task in (send_task, gone):
                 task.cancel()
-        disconnected = gone.done() and not gone.cancelled()
-        if not disconnected and send_task.done() and not send_task.cancelled():
-            disconnected = isinstance(send_task.exception(), OSError)
-            if not disconnected and send_task.exception() is not None:
-                raise send_task.exception()
-        if disconnected:
-            await self.on_disconnect()
+            await self.on_close()
+        client_left = gone.done() and not gone.cancelled()
+        if not client_left and send_task.done() and not send_task.cancelled():
+            error = send_task.exception()
+            if error is not None and not isinstance(error, OSError):  # OSError: client gone
+                raise error
 
     async def _send_all(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})

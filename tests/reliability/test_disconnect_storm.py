@@ -31,6 +31,7 @@ pytestmark = [pytest.mark.reliability, pytest.mark.asyncio, pytest.mark.timeout(
 
 NUM_CLIENTS = 100
 MAX_TOKENS = 400  # far more than any client waits for: every request must end by abort
+RESUME_GRACE_S = 0.3
 
 
 async def test_disconnect_storm_aborts_all_and_leaks_nothing(tmp_path, redis_url):
@@ -39,7 +40,9 @@ async def test_disconnect_storm_aborts_all_and_leaks_nothing(tmp_path, redis_url
         model=model, max_model_len=512, num_kv_blocks=256, block_size=16, max_num_seqs=16
     )
     probe = aioredis.Redis.from_url(redis_url)
-    app = create_app(redis_url, "llama", model, Settings(), worker_cache_s=0.0)
+    # Each departure marks its reader due back, and the abort follows the short grace.
+    settings = Settings(resume_grace_s=RESUME_GRACE_S)
+    app = create_app(redis_url, "llama", model, settings, worker_cache_s=0.0)
     async with serving(engine, redis_url, claim_idle_ms=2000) as worker, Api(app) as api:
         while not await probe.exists(keys.worker(worker.name)):  # first heartbeat
             await asyncio.sleep(0.05)

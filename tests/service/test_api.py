@@ -23,7 +23,7 @@ import uvicorn
 from engine.loader import load_tokenizer, resolve_model
 from queueing.redis_server import free_port
 from queueing.schema import Abort, GenerateRequest, TokenChunk, WorkerInfo, keys
-from service.api import create_app
+from service.api import create_app, server_config
 from service.settings import Settings
 
 MODEL = "kvrail-test-model"
@@ -113,12 +113,14 @@ class FakeWorker:
 
 
 class Api:
-    """A real uvicorn serving create_app(...) on a free port, in the test's event loop."""
+    """A real uvicorn serving create_app(...) on a free port, in the test's event loop,
+    configured as `kvrail api` configures it (its settings' timeouts and limit)."""
 
     def __init__(self, app) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, port=self.port, log_level="warning", lifespan="on")
+        settings = app.state.api.settings
+        config = server_config(app, "127.0.0.1", self.port, settings, log_level="warning")
         self.server = uvicorn.Server(config)
         self._task: asyncio.Task | None = None
 
@@ -330,7 +332,10 @@ async def wait_for_abort(redis_url: str, request_id: str, timeout_s: float = 5.0
 
 
 @pytest.mark.asyncio
-async def test_stream_disconnect_aborts(http, worker, redis_url):
+async def test_stream_disconnect_aborts_at_once_without_a_resume_grace(
+    start_api, worker, redis_url
+):
+    http = await start_api(resume_grace_s=0)  # with a grace: tests/service/test_resume.py
     worker.tokens, worker.delay_s = 50, 0.1
     body = {"model": MODEL, "prompt": "Hi", "stream": True, "max_tokens": 50}
     async with http.stream("POST", "/v1/completions", json=body) as response:

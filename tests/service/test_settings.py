@@ -22,6 +22,11 @@ def test_values_are_parsed_by_type():
             "KVRAIL_STREAM_TIMEOUT_S": "2.5",
             "KVRAIL_SHUTDOWN_GRACE_S": "0",
             "KVRAIL_CORS_ORIGINS": "https://a.example, http://b.example:8080,",
+            "KVRAIL_RESUME_GRACE_S": "0",
+            "KVRAIL_HTTP_HEADER_TIMEOUT_S": "2.5",
+            "KVRAIL_HTTP_BODY_TIMEOUT_S": "7",
+            "KVRAIL_HTTP_KEEP_ALIVE_S": "0.5",
+            "KVRAIL_HTTP_MAX_CONNECTIONS": "64",
         }
     )
     assert settings.cors_origins == ("https://a.example", "http://b.example:8080")
@@ -29,6 +34,9 @@ def test_values_are_parsed_by_type():
     assert (settings.log_level, settings.log_json) == ("DEBUG", False)
     assert (settings.max_pending, settings.stream_timeout_s) == (7, 2.5)
     assert settings.shutdown_grace_s == 0
+    assert settings.resume_grace_s == 0
+    assert (settings.http_header_timeout_s, settings.http_body_timeout_s) == (2.5, 7)
+    assert (settings.http_keep_alive_s, settings.http_max_connections) == (0.5, 64)
 
 
 @pytest.mark.parametrize(
@@ -41,6 +49,13 @@ def test_values_are_parsed_by_type():
         ({"KVRAIL_LOG_JSON": "maybe"}, "KVRAIL_LOG_JSON must be a boolean, got 'maybe'"),
         ({"KVRAIL_CORS_ORIGINS": "evil.example"}, "KVRAIL_CORS_ORIGINS must be a comma-sep"),
         ({"KVRAIL_LOG_LEVEL": "loud"}, "KVRAIL_LOG_LEVEL must be one of DEBUG"),
+        ({"KVRAIL_RESUME_GRACE_S": "-0.5"}, "KVRAIL_RESUME_GRACE_S must be a number >= 0"),
+        ({"KVRAIL_RESUME_GRACE_S": "inf"}, "KVRAIL_RESUME_GRACE_S must be a number"),
+        ({"KVRAIL_HTTP_HEADER_TIMEOUT_S": "0"}, "KVRAIL_HTTP_HEADER_TIMEOUT_S must be a number >"),
+        ({"KVRAIL_HTTP_BODY_TIMEOUT_S": "-3"}, "KVRAIL_HTTP_BODY_TIMEOUT_S must be a number > 0"),
+        ({"KVRAIL_HTTP_KEEP_ALIVE_S": "soon"}, "KVRAIL_HTTP_KEEP_ALIVE_S must be a number, got"),
+        ({"KVRAIL_HTTP_MAX_CONNECTIONS": "0"}, "KVRAIL_HTTP_MAX_CONNECTIONS must be a positive"),
+        ({"KVRAIL_HTTP_MAX_CONNECTIONS": "1.5"}, "KVRAIL_HTTP_MAX_CONNECTIONS must be an integer"),
     ],
 )
 def test_a_bad_value_names_its_variable(env, message):

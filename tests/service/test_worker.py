@@ -56,16 +56,19 @@ async def serving(engine, redis_url, name="w1", grace_s=5.0, **kwargs):
 
 
 def hold_steps(engine, monkeypatch, request_ids, free_steps=0, release=None):
-    """After `free_steps` steps with one of `request_ids` in the engine, steps make no
-    progress while one is there (until `release` is set): only a deadline or an abort ends
-    them, however fast or loaded the machine (timing generation with sleeps failed on a fast
-    machine: issue 12)."""
+    """After `free_steps` steps with one of `request_ids` (None: any request) in the engine,
+    steps make no progress while one is there (until `release` is set): only a deadline or an
+    abort ends them, however fast or loaded the machine (timing generation with sleeps failed
+    on a fast machine: issue 12)."""
     real_step, held = engine.engine_core.step, [0]
 
+    def holding() -> bool:
+        if request_ids is None:
+            return engine.has_unfinished_requests()
+        return any(engine.get_unfinished_request(r) for r in request_ids)
+
     def step():
-        if any(engine.get_unfinished_request(r) for r in request_ids) and not (
-            release is not None and release.is_set()
-        ):
+        if holding() and not (release is not None and release.is_set()):
             held[0] += 1
             if held[0] > free_steps:
                 time.sleep(0.005)
