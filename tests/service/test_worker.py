@@ -334,8 +334,8 @@ async def test_prompts_are_tokenized_off_the_engine_thread(
     """Issue 12: prompts were tokenized on the engine thread, so two 1M-character prompts
     stretched a running stream's inter-token gap from 0.1 s to 2.4 s. Here the tokenizer
     blocks on the large prompt until the running request has made 8 more tokens: on the
-    engine thread that never happens. An abort that arrives while a prompt waits to be
-    tokenized ends its request once the engine has it."""
+    engine thread that never happens. An abort, and a deadline, that come while a prompt
+    waits to be tokenized end their request once the engine has it."""
     big = "word " * 450  # 451 tokens, with max_tokens 8 within the context of 512
     big_tokens, big_text = reference(big, 8)
     run_tokens, _ = reference(PROMPT, 16)
@@ -359,6 +359,9 @@ async def test_prompts_are_tokenized_off_the_engine_thread(
             redis, GenerateRequest("big", prompt=big, sampling=dict(max_tokens=8, **GREEDY))
         )
         await submit(redis, GenerateRequest("gone", prompt=PROMPT))
+        # Far enough ahead that admission never sees it passed, even on a loaded machine.
+        deadline_ms = int(time.time() * 1000) + 2000
+        await submit(redis, GenerateRequest("late", prompt=PROMPT, deadline_ms=deadline_ms))
         assert await asyncio.to_thread(tokenizing.wait, 10)
         key, last_id, made = keys.response("run"), "0-0", 0
         deadline = time.monotonic() + 10
@@ -372,15 +375,18 @@ async def test_prompts_are_tokenized_off_the_engine_thread(
         await redis.xadd(keys.control, {"data": Abort("gone").encode()})
         # The abort waits for its request's prompt.
         await until(lambda: worker.engine_thread.tokenizing["gone"] == "abort")
+        await until(lambda: worker.engine_thread.tokenizing.get("late") == "deadline")
         assert not release.is_set() and worker.engine_thread.tokenizing["big"] is None
         release.set()
         served = await read_chunks(redis, "big")
         gone = await read_chunks(redis, "gone")
+        late = await read_chunks(redis, "late")
         run = await read_chunks(redis, "run")
     assert joined(served) == (big_tokens, big_text)
     assert served[-1].usage["prompt_tokens"] == 451
     assert joined(run)[0] == run_tokens
     assert gone[-1].finish_reason == "abort" and gone[-1].usage["completion_tokens"] < 16
+    assert late[-1].error == "deadline exceeded" and late[-1].usage["completion_tokens"] < 16
     assert await num_pending(redis) == 0
 
 
