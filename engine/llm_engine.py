@@ -67,7 +67,8 @@ class ParentState:
 
 
 class LLMEngine:
-    """Request-level engine. Not thread-safe: one thread drives `step()`."""
+    """Request-level engine. Not thread-safe: one thread drives `step()` (`tokenize_prompt`
+    may run on any other)."""
 
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
@@ -97,10 +98,18 @@ class LLMEngine:
         return cls(EngineConfig.from_kwargs(**kwargs))
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """A prompt is text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}."""
+        """The text (None when given as ids) and token ids of a prompt the engine can take:
+        not empty, at most `max_model_len` tokens, ids in the vocabulary; `ValueError` if not.
+
+        A prompt is text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}; a dict
+        with both is a prompt tokenized elsewhere, its text kept for `RequestOutput.prompt`.
+        It reads only the tokenizer and fixed limits, so it may run on any thread: a server
+        tokenizes here, off the thread that steps, then adds the dict with both.
+        """
+        text = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
+                text, prompt = prompt.get("prompt"), list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -111,12 +120,21 @@ class LLMEngine:
                     f"prompt has {len(prompt)} characters, more than max_model_len "
                     f"{self.max_model_len} tokens can hold ({self.max_prompt_chars})"
                 )
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("prompt must be a string or a list of token ids")
-        if any(not 0 <= t < self.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        return None, list(prompt)
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            text = prompt
+        else:
+            token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        # Before the ids are checked one by one: a prompt refused for its length costs no
+        # more than max_model_len checks (a 300,000-character one had 166,000 tokens).
+        check_prompt_len(len(token_ids), self.max_model_len)
+        if not isinstance(prompt, str):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                raise ValueError("prompt must be a string or a list of token ids")
+            if any(not 0 <= t < self.vocab_size for t in token_ids):
+                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        return text, token_ids
 
     def add_request(
         self,
@@ -138,9 +156,6 @@ class LLMEngine:
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already running")
         prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        check_prompt_len(len(prompt_token_ids), self.max_model_len)
         if resume is not None and len(resume) != params.n:
             raise ValueError(f"resume needs one entry per choice ({params.n})")
         if resume is not None:

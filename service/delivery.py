@@ -29,7 +29,7 @@ from queueing.schema import (
     unpack_bounded,
 )
 from service import metrics
-from service.engine_thread import AddCommand, EngineThread, ResumeState
+from service.engine_thread import EngineThread, ResumeState
 from service.publisher import Batch, Publisher
 
 log = structlog.get_logger("kvrail.worker")
@@ -70,7 +70,7 @@ class Reply:
 
 
 class Delivery:
-    """Turns request-stream entries into engine work (`AddCommand`) or into answers."""
+    """Turns request-stream entries into engine work (`EngineThread.add`) or into answers."""
 
     def __init__(
         self,
@@ -165,7 +165,7 @@ class Delivery:
         else:
             metrics.request_queue_time_seconds.observe(max(0.0, time.time() - inflight.enqueued_s))
         self.inflight[rid] = inflight
-        self.engine_thread.submit(AddCommand(request, resume))
+        self.engine_thread.add(request, resume)
 
     def reject(
         self,

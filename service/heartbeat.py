@@ -20,7 +20,7 @@ from queueing import streams
 from queueing.schema import WorkerInfo, keys
 from service import metrics
 from service.delivery import Inflight
-from service.engine_thread import AbortCommand, EngineThread
+from service.engine_thread import EngineThread
 
 HEARTBEAT_TTL_S = 5
 
@@ -103,7 +103,7 @@ class Heartbeat:
             deadline = f.request.deadline_ms
             if deadline is not None and deadline < now_ms and not f.deadline_hit:
                 f.deadline_hit = True
-                self.engine_thread.submit(AbortCommand(rid, "deadline"))
+                self.engine_thread.abort(rid, "deadline")
 
     def _update_counters(self, stats: EngineStats) -> None:
         prev, self._last_stats = self._last_stats, stats

@@ -2,7 +2,7 @@
 
 Tasks on one asyncio loop (uvloop in production), each job in its own module:
     ingest     XREADGROUP (own pending first, then new) and XAUTOCLAIM of dead workers' entries
-               -> `service.delivery`: decode, de-duplicate / resume / reject -> `AddCommand`
+               -> `service.delivery`: decode, de-duplicate / resume / reject -> `EngineThread.add`
     control    XREAD `kvrail:control` -> abort requests this worker holds
     heartbeat  `service.heartbeat`: `kvrail:worker:{name}` with a short TTL; keeps held entries
                from going idle (so no live request is claimed away); enforces deadlines;
@@ -31,7 +31,7 @@ from engine import LLMEngine
 from queueing import streams
 from queueing.schema import Abort, SchemaError, keys
 from service.delivery import Delivery, Inflight
-from service.engine_thread import STOP, AbortCommand, EngineEvent, EngineThread
+from service.engine_thread import EngineEvent, EngineThread
 from service.heartbeat import Heartbeat
 from service.output_processor import OutputProcessor
 from service.publisher import RETRY_MAX_S, Backoff, Publisher
@@ -133,7 +133,7 @@ class Worker:
         left = sorted(self.inflight)
         # Abort what is left without acking: the entries stay pending, another worker
         # claims them and resumes from the chunks already stored.
-        self.engine_thread.submit(STOP)
+        self.engine_thread.stop()
         await asyncio.to_thread(self.engine_thread.join)
         await asyncio.sleep(0)  # let the engine's last events (call_soon_threadsafe) land
         self.inflight.clear()
@@ -195,7 +195,7 @@ class Worker:
                         continue
                     if rid in self.inflight:
                         self.inflight[rid].log.info("abort requested")
-                        self.engine_thread.submit(AbortCommand(rid, "abort"))
+                        self.engine_thread.abort(rid, "abort")
 
     def _emit(self, event: EngineEvent) -> None:
         """Called on the engine thread: hop onto the loop."""

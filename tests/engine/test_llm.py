@@ -527,4 +527,23 @@ def test_a_fault_in_every_step_fails_every_request_and_the_engine_serves_on(tiny
     monkeypatch.undo()
     (output,) = tiny_llm.generate(PROMPTS[0], params)
     assert output.error is None and len(output.outputs[0].token_ids) == 4
+
+
+def test_a_prompt_tokenized_elsewhere_keeps_its_text_and_is_checked(tiny_llm):
+    """A server tokenizes off the engine thread (issue 12) and adds {"prompt", "prompt_token_ids"}:
+    the engine generates from those ids, reports the text, and still checks the ids, the
+    length first (a refused prompt costs no more than max_model_len checks)."""
+    engine = tiny_llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    text, ids = engine.tokenize_prompt(PROMPTS[0])
+    (pre,) = tiny_llm.generate({"prompt": text, "prompt_token_ids": ids}, params)
+    (plain,) = tiny_llm.generate(PROMPTS[0], params)
+    assert pre.prompt == PROMPTS[0] and pre.prompt_token_ids == ids == plain.prompt_token_ids
+    assert pre.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("vocab", {"prompt": "x", "prompt_token_ids": [10**9]}, params)
+    too_long = [5] * engine.max_model_len + [10**9]
+    with pytest.raises(ValueError, match="tokens, more than max_model_len"):
+        engine.add_request("long", {"prompt": "x", "prompt_token_ids": too_long}, params)
+    assert not engine.has_unfinished_requests()
     assert_pool_free(tiny_llm)

@@ -117,6 +117,13 @@ def joined(chunks: list[TokenChunk], index: int = 0) -> tuple[list[int], str]:
     return [t for c in mine for t in c.token_ids], "".join(c.text for c in mine)
 
 
+async def until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
 async def num_pending(r) -> int:
     return (await r.xpending(keys.requests, keys.group))["pending"]
 
@@ -376,6 +383,68 @@ async def test_keys_of_a_running_request_outlive_their_ttl(engine, redis, redis_
         chunks = await read_chunks(redis, "long")
     assert chunks[-1].usage["completion_tokens"] == 4
     assert 0 < await redis.ttl(keys.request_state("long")) <= 1  # then the TTL after the end
+
+
+async def test_prompts_are_tokenized_off_the_engine_thread(
+    engine, reference, redis, redis_url, monkeypatch
+):
+    """Issue 12: prompts were tokenized on the engine thread, so two 1M-character prompts
+    stretched a running stream's inter-token gap from 0.1 s to 2.4 s. Here the tokenizer
+    blocks on the large prompt until the running request has made 8 more tokens: on the
+    engine thread that never happens. An abort, and a deadline, that come while a prompt
+    waits to be tokenized end their request once the engine has it."""
+    big = "word " * 450  # 451 tokens, with max_tokens 8 within the context of 512
+    big_tokens, big_text = reference(big, 8)
+    run_tokens, _ = reference(PROMPT, 16)
+    tokenizing, release = threading.Event(), threading.Event()
+    real_encode = engine.tokenizer.encode
+
+    def encode(text, *args, **kwargs):
+        if text == big:
+            tokenizing.set()
+            assert release.wait(20), "the test never released the tokenizer"
+        return real_encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", encode)
+    # "run" makes its first token, then no progress until the large prompt is being tokenized.
+    hold_steps(engine, monkeypatch, ["run"], free_steps=1, release=tokenizing)
+    sampling = dict(max_tokens=16, **GREEDY)
+    async with serving(engine, redis_url) as worker:
+        await submit(redis, GenerateRequest("run", prompt=PROMPT, sampling=sampling))
+        await read_chunks(redis, "run", until_last=False)
+        await submit(
+            redis, GenerateRequest("big", prompt=big, sampling=dict(max_tokens=8, **GREEDY))
+        )
+        await submit(redis, GenerateRequest("gone", prompt=PROMPT))
+        # Far enough ahead that admission never sees it passed, even on a loaded machine.
+        deadline_ms = int(time.time() * 1000) + 2000
+        await submit(redis, GenerateRequest("late", prompt=PROMPT, deadline_ms=deadline_ms))
+        assert await asyncio.to_thread(tokenizing.wait, 10)
+        key, last_id, made = keys.response("run"), "0-0", 0
+        deadline = time.monotonic() + 10
+        while made < 1 + 8:  # tokens of "run" while the tokenizer holds the large prompt
+            assert time.monotonic() < deadline, f"{made} tokens while a prompt was tokenized"
+            for _, entries in await redis.xread({key: last_id}, block=100) or []:
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    made += len(TokenChunk.decode(fields[b"data"]).token_ids)
+        await until(lambda: "gone" in worker.engine_thread.tokenizing)  # held, queued
+        await redis.xadd(keys.control, {"data": Abort("gone").encode()})
+        # The abort waits for its request's prompt.
+        await until(lambda: worker.engine_thread.tokenizing["gone"] == "abort")
+        await until(lambda: worker.engine_thread.tokenizing.get("late") == "deadline")
+        assert not release.is_set() and worker.engine_thread.tokenizing["big"] is None
+        release.set()
+        served = await read_chunks(redis, "big")
+        gone = await read_chunks(redis, "gone")
+        late = await read_chunks(redis, "late")
+        run = await read_chunks(redis, "run")
+    assert joined(served) == (big_tokens, big_text)
+    assert served[-1].usage["prompt_tokens"] == 451
+    assert joined(run)[0] == run_tokens
+    assert gone[-1].finish_reason == "abort" and gone[-1].usage["completion_tokens"] < 16
+    assert late[-1].error == "deadline exceeded" and late[-1].usage["completion_tokens"] < 16
+    assert await num_pending(redis) == 0
 
 
 async def test_load_engine_builds_in_a_thread_that_has_ended(model_dir):
