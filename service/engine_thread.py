@@ -43,7 +43,7 @@ class AddCommand:
 @dataclass
 class AbortCommand:
     request_id: str
-    reason: str  # "abort" (client asked) or "deadline"
+    reason: str  # "abort" (client asked), "deadline" or "unwritable" (its response key)
 
 
 STOP = object()  # abort everything silently (entries stay pending) and end the thread
