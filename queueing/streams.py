@@ -116,6 +116,11 @@ class RequestConsumer:
             self._pending_cursor = entries[-1].entry_id
             return await self._with_deliveries(entries)
 
+    @property
+    def caught_up(self) -> bool:
+        """Whether `read()` has returned every own pending entry and now reads new ones."""
+        return self._pending_cursor is None
+
     async def ack(self, *entry_ids: str) -> None:
         """Acknowledge entries and delete them: an answered entry is never read again (one
         group), so the request stream holds only unfinished work (issue 12: every prompt

@@ -309,13 +309,16 @@ async def test_an_entry_delivered_too_often_is_dead_lettered(
 ):
     """Issue 12: an entry that brought down whoever served it was claimed again and again
     (`times_delivered` 11 in 45 s), never dead-lettered. Past `KVRAIL_MAX_DELIVERIES` it is,
-    with an error chunk after what its response stream holds; one at the limit is served."""
+    with an error chunk after what its response stream holds; one at the limit is served, and
+    delivered once by the worker that claims it (a worker that claimed entries at start, then
+    read its own pending ones, delivered each claimed entry twice)."""
     tokens, text = reference(PROMPT, 4)
     sampling = dict(max_tokens=4, **GREEDY)
     crashy = await submit(redis, GenerateRequest("crashy", prompt=PROMPT, sampling=sampling))
     unlucky = await submit(redis, GenerateRequest("unlucky", prompt=PROMPT, sampling=sampling))
     # The last of the workers that held them published a token of "crashy", then died; the
-    # delivery counts are set as if three (two) workers had read them (XCLAIM RETRYCOUNT).
+    # delivery counts are set as if three (two) workers had read them, and their idle time
+    # past the claim time (XCLAIM RETRYCOUNT, IDLE).
     await streams.ensure_group(redis)
     dead = streams.RequestConsumer(redis, redis, "dead")
     assert [e.entry_id for e in await dead.read()] == [crashy, unlucky]
@@ -324,11 +327,28 @@ async def test_an_entry_delivered_too_often_is_dead_lettered(
     await streams.ResponsePublisher(redis, 60).publish([(keys.response("crashy"), partial)])
     for entry_id, count in ((crashy, 3), (unlucky, 2)):
         await redis.xclaim(
-            keys.requests, keys.group, "dead", 0, [entry_id], retrycount=count, justid=True
+            keys.requests,
+            keys.group,
+            "dead",
+            0,
+            [entry_id],
+            idle=60_000,
+            retrycount=count,
+            justid=True,
         )
+    release = threading.Event()
+    hold_steps(engine, monkeypatch, ["unlucky"], release=release)
     monkeypatch.setenv("KVRAIL_MAX_DELIVERIES", "3")
     async with serving(engine, redis_url, claim_idle_ms=500) as worker:
         crashy_chunks = await read_chunks(redis, "crashy")
+        # Past its own pending entries, the worker blocks on new ones (XREADGROUP ">").
+        while not any(
+            c["cmd"] == "xreadgroup" and "b" in c["flags"] for c in await redis.client_list()
+        ):
+            await asyncio.sleep(0.01)
+        [pending] = await redis.xpending_range(keys.requests, keys.group, unlucky, unlucky, 1)
+        assert pending["times_delivered"] == 3
+        release.set()
         unlucky_chunks = await read_chunks(redis, "unlucky")
         await submit(redis, GenerateRequest("next", prompt=PROMPT, sampling=sampling))
         after = await read_chunks(redis, "next")
