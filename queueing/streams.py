@@ -3,8 +3,9 @@
 Consumer side (`RequestConsumer`): a worker reads `kvrail:requests` through the group
 "engines", first its own pending entries (left by an earlier run under the same name), then new
 ones, and takes over entries of dead workers with XAUTOCLAIM. Entries are acknowledged only
-once their request is answered. Publisher side (`ResponsePublisher`): token chunks go to their
-response streams in one pipeline per batch, each stream capped and given a TTL.
+once their request is answered; an entry read again (own pending entries, claims) comes with
+its delivery count, which the worker caps. Publisher side (`ResponsePublisher`): token chunks go
+to their response streams in one MULTI/EXEC per batch, each stream capped and given a TTL.
 
 Stream entries carry one field, `data`: the msgpack bytes of a `queueing.schema` message.
 A trimmed or deleted entry reads back without fields: it is returned with `data=None`.
@@ -13,13 +14,22 @@ A trimmed or deleted entry reads back without fields: it is returned with `data=
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError
 
 from queueing.schema import TokenChunk, keys
 
-Entry = tuple[str, bytes | None]  # (stream entry id, the `data` field or None if trimmed)
+
+class Entry(NamedTuple):
+    """A request-stream entry as delivered to this consumer."""
+
+    entry_id: str
+    data: bytes | None  # the `data` field; None if the entry was trimmed
+    deliveries: int = 1  # times the group delivered it, this delivery included (XPENDING)
+
 
 DEAD_LETTER_MAXLEN = 100_000
 DEAD_LETTER_DATA_BYTES = 64 << 10  # enough to read what went wrong; a 24 MiB entry was copied whole
@@ -43,7 +53,7 @@ def _entry(entry_id: bytes | str, fields: dict | None) -> Entry:
     """A trimmed entry (no fields) reads as `data=None`; one whose fields lack `data`, as b""
     (a bad entry, answered like any undecodable one)."""
     entry_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return entry_id, fields.get(b"data", b"") if fields else None
+    return Entry(entry_id, fields.get(b"data", b"") if fields else None)
 
 
 async def ensure_group(r: aioredis.Redis) -> None:
@@ -99,12 +109,17 @@ class RequestConsumer:
                 continue
             entries = [_entry(i, f) for _, stream in reply or [] for i, f in stream]
             if self._pending_cursor is None:
-                return entries
+                return entries  # new entries: delivered once
             if not entries:
                 self._pending_cursor = None  # caught up with our pending entries
                 continue
-            self._pending_cursor = entries[-1][0]
-            return entries
+            self._pending_cursor = entries[-1].entry_id
+            return await self._with_deliveries(entries)
+
+    @property
+    def caught_up(self) -> bool:
+        """Whether `read()` has returned every own pending entry and now reads new ones."""
+        return self._pending_cursor is None
 
     async def ack(self, *entry_ids: str) -> None:
         """Acknowledge entries and delete them: an answered entry is never read again (one
@@ -136,7 +151,22 @@ class RequestConsumer:
         cursor, claimed = reply[0], reply[1]
         self._claim_cursor = cursor.decode() if isinstance(cursor, bytes) else cursor
         # Redis 6.2 returns trimmed entries as (None, None): they have no id to act on.
-        return [_entry(i, f) for i, f in claimed if i is not None]
+        return await self._with_deliveries([_entry(i, f) for i, f in claimed if i is not None])
+
+    async def _with_deliveries(self, entries: list[Entry]) -> list[Entry]:
+        """`entries`, read again, with their delivery counts: XREADGROUP of own pending entries
+        and XAUTOCLAIM count each delivery, neither returns the count (one XPENDING per entry,
+        one round trip). An entry no longer pending (acknowledged meanwhile) keeps 1."""
+        if not entries:
+            return entries
+        pipe = self.r.pipeline(transaction=False)
+        for e in entries:
+            pipe.xpending_range(keys.requests, keys.group, e.entry_id, e.entry_id, 1)
+        replies = await pipe.execute()
+        return [
+            e._replace(deliveries=p[0]["times_delivered"]) if p else e
+            for e, p in zip(entries, replies, strict=True)
+        ]
 
     async def touch(self, entry_ids: Sequence[str]) -> None:
         """Reset the idle time of entries this worker is still serving, so that no other
@@ -147,11 +177,13 @@ class RequestConsumer:
                 keys.requests, keys.group, self.name, 0, list(entry_ids), justid=True
             )
 
-    async def dead_letter(self, entry_id: str, data: bytes | None, reason: str) -> None:
+    async def dead_letter(self, entry_id: str, data: bytes | None, reason: str) -> Exception | None:
         """Record an entry that could not be served on `kvrail:dead` (the caller acks it): its
-        first DEAD_LETTER_DATA_BYTES bytes and its full size, not a copy of any size."""
+        first DEAD_LETTER_DATA_BYTES bytes and its full size, not a copy of any size. Returns
+        the error of a `kvrail:dead` that refuses it (see `execute_per_key`), else None."""
         data = data or b""
-        await self.r.xadd(
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(
             keys.dead,
             {
                 "entry_id": entry_id,
@@ -162,28 +194,53 @@ class RequestConsumer:
             maxlen=DEAD_LETTER_MAXLEN,
             approximate=True,
         )
+        [result] = await execute_per_key(pipe)
+        return result if isinstance(result, Exception) else None
+
+
+async def execute_per_key(pipe: Pipeline) -> list[object]:
+    """Run a MULTI/EXEC pipeline, telling a key's own failure from everyone's.
+
+    A condition that refuses every write (Redis unreachable, OOM under `maxmemory` with
+    `noeviction`, a read-only replica) refuses the whole transaction: it raises, nothing was
+    stored (or, reply lost, everything), and a retry mends it. A command's own failure, which no
+    retry mends (WRONGTYPE: its key holds another type), comes back in its place in the
+    results while the other commands are done: the caller fails only what that key served
+    (issue 12: one response key turned into a string made the publisher retry everyone's batch
+    forever, re-appending the chunks it had stored)."""
+    return await pipe.execute(raise_on_error=False)
 
 
 class ResponsePublisher:
-    """Writes token chunks to response streams, one pipeline (one round trip) per batch."""
+    """Writes token chunks to response streams, one MULTI/EXEC (one round trip) per batch."""
 
     def __init__(self, r: aioredis.Redis, ttl_s: int, maxlen: int = RESPONSE_MAXLEN) -> None:
         self.r = r
         self.ttl_s = ttl_s
         self.maxlen = maxlen
 
-    async def publish(self, items: Iterable[tuple[str, TokenChunk]]) -> None:
+    async def publish(self, items: Iterable[tuple[str, TokenChunk]]) -> dict[str, Exception]:
         """XADD each `(stream key, chunk)` in order, then EXPIRE each key once: a stream
-        created by XADD has no TTL, and the TTL counts from the latest chunk."""
-        pipe = self.r.pipeline(transaction=False)
-        touched: dict[str, None] = {}
+        created by XADD has no TTL, and the TTL counts from the latest chunk. Returns the keys
+        that refused their chunks, with the error (`execute_per_key`): none of those chunks is
+        stored, every other is. One transaction keeps a stream's chunks in seq order: a write
+        refused for everyone (OOM) stores none of the batch, never a later chunk without an
+        earlier one."""
+        pipe = self.r.pipeline(transaction=True)
+        written: list[str] = []
         for key, chunk in items:
             pipe.xadd(key, {"data": chunk.encode()}, maxlen=self.maxlen, approximate=True)
-            touched[key] = None
-        for key in touched:
+            written.append(key)
+        for key in dict.fromkeys(written):
             pipe.expire(key, self.ttl_s)
-        if touched:
-            await pipe.execute()
+        if not written:
+            return {}
+        results = await execute_per_key(pipe)
+        refused: dict[str, Exception] = {}
+        for key, result in zip(written, results, strict=False):  # the XADDs come first
+            if isinstance(result, Exception):
+                refused.setdefault(key, result)
+        return refused
 
 
 async def read_response(r: aioredis.Redis, key: str, page: int = 1000) -> list[TokenChunk]:
@@ -229,10 +286,22 @@ async def renew_ttl(r: aioredis.Redis, names: list[str], ttl_s: int) -> None:
     await pipe.execute()
 
 
-async def mark_done(r: aioredis.Redis, request_ids: Iterable[str], ttl_s: int) -> None:
-    """Record that requests were answered in full (their final chunk is stored)."""
-    pipe = r.pipeline(transaction=False)
+async def mark_done(
+    r: aioredis.Redis, request_ids: Iterable[str], ttl_s: int
+) -> dict[str, Exception]:
+    """Record that requests were answered in full (their final chunk is stored). Returns the
+    requests whose state key refused the mark (`execute_per_key`), with the error."""
+    pipe = r.pipeline(transaction=True)
+    marked: list[str] = []
     for request_id in request_ids:
         pipe.hset(keys.request_state(request_id), "state", "done")
         pipe.expire(keys.request_state(request_id), ttl_s)
-    await pipe.execute()
+        marked += [request_id, request_id]
+    if not marked:
+        return {}
+    results = await execute_per_key(pipe)
+    return {
+        rid: result
+        for rid, result in zip(marked, results, strict=True)
+        if isinstance(result, Exception)
+    }

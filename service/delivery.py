@@ -5,7 +5,8 @@ entry with the same id is a duplicate: acknowledged without generating. The owni
 (claimed from a dead worker, or pending at restart) resumes: the chunks already stored give
 each choice's emitted tokens, the engine recomputes them, `seq` continues after the last. An
 entry that will not be generated is rejected: an error chunk where there is a `Reply` to send
-it to, a dead letter when the entry itself is bad.
+it to, a dead letter when the entry itself is bad, or when it was delivered more often than
+`max_deliveries` (a worker lost with it each time: the entry is what brings them down).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class Delivery:
         engine_thread: EngineThread,
         inflight: dict[str, Inflight],
         response_ttl_s: int,
+        max_deliveries: int,
     ) -> None:
         self.r = r
         self.consumer = consumer
@@ -87,15 +89,17 @@ class Delivery:
         self.engine_thread = engine_thread
         self.inflight = inflight  # request_id -> state, shared with the worker
         self.response_ttl_s = response_ttl_s
+        self.max_deliveries = max_deliveries
 
-    async def ingest(self, entry_id: str, data: bytes | None) -> None:
+    async def ingest(self, entry: streams.Entry) -> None:
         """Serve one entry. A Redis error propagates (the entry stays pending and is claimed
         again), unless it is the entry's own: a key of the wrong type (`WRONGTYPE`), which
         no retry mends (issue 12: such an entry restarted the ingest loop forever, and the
         good requests read with it got no answer). Any other fault answers the entry as a
         bad one."""
+        entry_id, data, _ = entry
         try:
-            await self._ingest(entry_id, data)
+            await self._ingest(entry)
         except ResponseError as e:
             if not str(e).startswith("WRONGTYPE"):
                 raise
@@ -109,8 +113,9 @@ class Delivery:
             log.exception("request entry could not be served", entry_id=entry_id)
             self.reject(entry_id, data, f"worker error: {e}")
 
-    async def _ingest(self, entry_id: str, data: bytes | None) -> None:
+    async def _ingest(self, entry: streams.Entry) -> None:
         """Turn one stream entry into engine work, a resume, a duplicate ack or an error."""
+        entry_id, data, deliveries = entry
         if any(f.entry_id == entry_id for f in self.inflight.values()):
             return  # already serving it (claimed back from ourselves)
         if data is None:
@@ -145,6 +150,13 @@ class Delivery:
             self.publisher.put(Batch(acks=[entry_id], done=[rid]))
             return
         reply = Reply(rid, key, chunks[-1].seq + 1 if chunks else 0)
+        if deliveries > self.max_deliveries:
+            # Each delivery after the first took a worker lost (or stopped) while it held the
+            # entry, or an ingest that failed on it: past the limit, the entry is the cause
+            # (issue 12: a poison entry was delivered 11 times in 45 s, never dead-lettered).
+            reason = f"delivered {deliveries} times (limit {self.max_deliveries})"
+            self.reject(entry_id, data, reason, reply)
+            return
         if [c.seq for c in chunks] != list(range(len(chunks))):
             # Trimmed or expired: the emitted tokens are unknown, so it cannot resume.
             self.reject(entry_id, data, "response stream lost chunks", reply)
@@ -184,7 +196,7 @@ class Delivery:
             batch.dead.append((entry_id, data, reason))
         if reply is not None:
             error = TokenChunk(reply.request_id, reply.seq, finish_reason="error", error=reason)
-            batch.chunks.append((reply.response_key, error))
+            batch.add_chunk(reply.response_key, error, entry_id, data)
             batch.done.append(reply.request_id)
         self.publisher.put(batch)
 

@@ -54,7 +54,7 @@ class AddCommand:
 @dataclass
 class AbortCommand:
     request_id: str
-    reason: str  # "abort" (client asked) or "deadline"
+    reason: str  # "abort" (client asked), "deadline" or "unwritable" (its response key)
 
 
 _STOP = object()  # abort everything silently (entries stay pending) and end the thread
@@ -121,8 +121,8 @@ class EngineThread(threading.Thread):
         self._tokenizer.submit(self._prepare, request, resume)
 
     def abort(self, request_id: str, reason: str) -> None:
-        """Thread-safe: abort a request given to `add` (`reason`: "abort" when the client
-        asked, "deadline"). One still being tokenized is aborted as soon as the engine has it,
+        """Thread-safe: abort a request given to `add` (`reason`: as `AbortCommand.reason`).
+        One still being tokenized is aborted as soon as the engine has it,
         so the abort neither gets lost nor overtakes its request."""
         with self._lock:
             if request_id in self.tokenizing:

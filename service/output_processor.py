@@ -66,7 +66,7 @@ class OutputProcessor:
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
-            batch.chunks.append((key, chunk))
+            batch.add_chunk(key, chunk, f.entry_id, f.data)
             num_new, last = num_new + len(c.token_ids), chunk
         if num_new:
             if f.last_token_s is None:
@@ -78,7 +78,7 @@ class OutputProcessor:
             metrics.generation_tokens.inc(num_new)
         if output.finished:
             if last is None:  # resumed with every choice done: only the usage chunk is due
-                batch.chunks.append((key, f.chunk()))
+                batch.add_chunk(key, f.chunk(), f.entry_id, f.data)
             reason = last.finish_reason if last is not None else FinishReason.STOP
             self._finish(f, batch, len(output.prompt_token_ids), reason)
 
@@ -88,10 +88,12 @@ class OutputProcessor:
             return
         key = f.request.response_key
         if event.reason == "deadline":
-            batch.chunks.append((key, f.chunk(finish_reason="error", error="deadline exceeded")))
+            error = f.chunk(finish_reason="error", error="deadline exceeded")
+            batch.add_chunk(key, error, f.entry_id, f.data)
         else:
             for index in event.open_indices or [0]:
-                batch.chunks.append((key, f.chunk(index=index, finish_reason=FinishReason.ABORT)))
+                abort = f.chunk(index=index, finish_reason=FinishReason.ABORT)
+                batch.add_chunk(key, abort, f.entry_id, f.data)
         self._finish(f, batch, event.prompt_tokens, event.reason)
 
     def _on_failed(self, event: RequestFailed, batch: Batch) -> None:
@@ -99,9 +101,8 @@ class OutputProcessor:
         if f is None:
             return
         f.log.warning("request failed", reason=event.error)
-        batch.chunks.append(
-            (f.request.response_key, f.chunk(finish_reason="error", error=event.error))
-        )
+        error = f.chunk(finish_reason="error", error=event.error)
+        batch.add_chunk(f.request.response_key, error, f.entry_id, f.data)
         if event.dead_letter:
             batch.dead.append((f.entry_id, f.data, event.error))
         batch.acks.append(f.entry_id)

@@ -6,6 +6,7 @@ import asyncio
 
 import msgpack
 import pytest
+from redis.exceptions import OutOfMemoryError
 
 from queueing import streams
 from queueing.schema import (
@@ -46,11 +47,14 @@ async def test_read_drains_own_pending_first_then_new(redis_url):
     ids = [await r.xadd(keys.requests, {"data": _request(i)}) for i in range(3)]
     first = streams.RequestConsumer(rb, r, "w1", block_ms=100, count=2)
     got = await first.read()
-    assert [d for _, d in got] == [_request(0), _request(1)]
-    # A restart under the same name sees its two pending entries again, then the new one.
+    assert [(e.data, e.deliveries) for e in got] == [(_request(0), 1), (_request(1), 1)]
+    # A restart under the same name sees its two pending entries again (a second delivery),
+    # then the new one.
     again = streams.RequestConsumer(rb, r, "w1", block_ms=100, count=2)
-    assert [e for e, _ in await again.read()] == [i.decode() for i in ids[:2]]
-    assert [e for e, _ in await again.read()] == [ids[2].decode()]
+    assert [(e.entry_id, e.deliveries) for e in await again.read()] == [
+        (i.decode(), 2) for i in ids[:2]
+    ]
+    assert [(e.entry_id, e.deliveries) for e in await again.read()] == [(ids[2].decode(), 1)]
     assert await again.read() == []  # one short BLOCK, nothing new
     await again.ack(*(i.decode() for i in ids))
     assert (await r.xpending(keys.requests, keys.group))["pending"] == 0
@@ -63,10 +67,11 @@ async def test_read_recreates_a_deleted_group_and_returns_trimmed_entries(redis_
     consumer = streams.RequestConsumer(rb, r, "w1", block_ms=100)
     assert await consumer.read() == []  # NOGROUP: created on the fly
     entry = (await r.xadd(keys.requests, {"data": _request(0)})).decode()
-    assert await consumer.read() == [(entry, _request(0))]
+    assert await consumer.read() == [(entry, _request(0), 1)]
     await r.xdel(keys.requests, entry)
     restarted = streams.RequestConsumer(rb, r, "w1", block_ms=100)
-    assert await restarted.read() == [(entry, None)]  # pending but deleted
+    # Pending but deleted (Redis does not count such a delivery).
+    assert [e[:2] for e in await restarted.read()] == [(entry, None)]
     await rb.aclose()
     await r.aclose()
 
@@ -76,14 +81,14 @@ async def test_claim_stale_takes_over_idle_entries_only(redis_url):
     await streams.ensure_group(r)
     entry = (await r.xadd(keys.requests, {"data": _request(0)})).decode()
     dead = streams.RequestConsumer(rb, r, "dead", block_ms=100)
-    assert await dead.read() == [(entry, _request(0))]
+    assert await dead.read() == [(entry, _request(0), 1)]
     alive = streams.RequestConsumer(rb, r, "alive", block_ms=100)
     assert await alive.claim_stale(min_idle_ms=10_000) == []
     await asyncio.sleep(0.25)
     await dead.touch([entry])  # a live owner keeps its entry from going idle
     assert await alive.claim_stale(min_idle_ms=200) == []
     await asyncio.sleep(0.25)
-    assert await alive.claim_stale(min_idle_ms=200) == [(entry, _request(0))]
+    assert await alive.claim_stale(min_idle_ms=200) == [(entry, _request(0), 2)]
     pending = await r.xpending_range(keys.requests, keys.group, "-", "+", 10)
     assert [p["consumer"] for p in pending] == [b"alive"]
     await rb.aclose()
@@ -141,6 +146,53 @@ async def test_publish_pipelines_chunks_with_ttl_and_read_response(redis_url):
         ]
         assert 0 < await r.ttl(keys.response(rid)) <= 60
     assert await streams.read_response(r, keys.response("none")) == []
+    await r.aclose()
+
+
+async def test_a_response_key_that_refuses_its_chunks_fails_alone(redis_url):
+    """Issue 12: one response key turned into a string made every write of the batch fail,
+    and each retry appended the other streams' chunks again. Now that key's chunks come back
+    refused and every other one is stored once; out of memory refuses the whole batch."""
+    r = streams.connect(redis_url)
+    publisher = streams.ResponsePublisher(r, ttl_s=60)
+    await r.set(keys.response("bad"), b"not a stream")
+    rids = ("a", "bad", "b")
+    items = [(keys.response(rid), TokenChunk(rid, seq)) for seq in range(2) for rid in rids]
+    refused = await publisher.publish(items)
+    assert list(refused) == [keys.response("bad")]
+    assert str(refused[keys.response("bad")]).startswith("WRONGTYPE")
+    for rid in ("a", "b"):
+        assert [c.seq for c in await streams.read_response(r, keys.response(rid))] == [0, 1]
+    # Out of memory (noeviction, Redis's default policy) refuses every write: none is stored,
+    # so retrying the batch appends nothing twice.
+    policy = (await r.config_get("maxmemory-policy"))["maxmemory-policy"]
+    await r.config_set("maxmemory-policy", "noeviction")
+    await r.config_set("maxmemory", 1)
+    try:
+        more = [(keys.response(rid), TokenChunk(rid, 2)) for rid in ("a", "b")]
+        with pytest.raises(OutOfMemoryError):
+            await publisher.publish(more)
+    finally:
+        await r.config_set("maxmemory", 0)
+        await r.config_set("maxmemory-policy", policy)
+    assert [await r.xlen(keys.response(rid)) for rid in ("a", "b")] == [2, 2]
+    await r.aclose()
+
+
+async def test_a_state_or_dead_letter_key_of_the_wrong_type_refuses_only_its_write(redis_url):
+    """Issue 12: a done mark on a `kvrail:req:{id}` turned into a string (or a dead letter on
+    such a `kvrail:dead`) raised, and the publisher retried it forever. The refusal now comes
+    back, the other marks are stored."""
+    r = streams.connect(redis_url)
+    await r.set(keys.request_state("bad"), b"not a hash")
+    refused = await streams.mark_done(r, ["a", "bad", "b"], 60)
+    assert list(refused) == ["bad"] and str(refused["bad"]).startswith("WRONGTYPE")
+    assert [await r.hget(keys.request_state(rid), "state") for rid in "ab"] == [b"done"] * 2
+    consumer = streams.RequestConsumer(r, r, "w1")
+    assert await consumer.dead_letter("1-0", b"x", "why") is None
+    await r.delete(keys.dead)
+    await r.set(keys.dead, b"not a stream")
+    assert str(await consumer.dead_letter("1-0", b"x", "why")).startswith("WRONGTYPE")
     await r.aclose()
 
 

@@ -118,7 +118,7 @@ async def test_resumed_request_does_not_send_them_again(engine, offline, redis, 
     # prompt logprobs), then died.
     await streams.ensure_group(redis)
     dead = streams.RequestConsumer(redis, redis, "dead")
-    assert [e for e, _ in await dead.read()] == [entry_id]
+    assert [e.entry_id for e in await dead.read()] == [entry_id]
     await streams.own_request(redis, "plp", entry_id, 60)
     (expected,) = offline.generate(PROMPT, SamplingParams(**sampling))
     first = TokenChunk(

@@ -44,6 +44,7 @@ def test_values_are_parsed_by_type():
     [
         ({"KVRAIL_MAX_PENDING": "many"}, "KVRAIL_MAX_PENDING must be an integer, got 'many'"),
         ({"KVRAIL_MAX_PENDING": "0"}, "KVRAIL_MAX_PENDING must be a positive integer, got 0"),
+        ({"KVRAIL_MAX_DELIVERIES": "0"}, "KVRAIL_MAX_DELIVERIES must be a positive integer"),
         ({"KVRAIL_STREAM_TIMEOUT_S": "nan"}, "KVRAIL_STREAM_TIMEOUT_S must be a number"),
         ({"KVRAIL_SHUTDOWN_GRACE_S": "-1"}, "KVRAIL_SHUTDOWN_GRACE_S must be a number >= 0"),
         ({"KVRAIL_LOG_JSON": "maybe"}, "KVRAIL_LOG_JSON must be a boolean, got 'maybe'"),

@@ -180,7 +180,7 @@ async def test_resumes_the_entry_of_a_dead_worker(engine, reference, redis, redi
     # A worker that read the entry, published a few steps' deltas, then died.
     await streams.ensure_group(redis)
     dead = streams.RequestConsumer(redis, redis, "dead")
-    assert [e for e, _ in await dead.read()] == [entry_id]
+    assert [e.entry_id for e in await dead.read()] == [entry_id]
     assert await streams.own_request(redis, "res", entry_id, 60) == (entry_id, False)
     offline = reference.llm.llm_engine
     offline.add_request("res", PROMPT, SamplingParams(max_tokens=30, **GREEDY))
@@ -365,6 +365,159 @@ async def test_a_key_of_the_wrong_type_fails_only_its_own_request(engine, redis,
     assert chunks[-1].usage["completion_tokens"] == 4
     [(_, dead)] = await redis.xrange(keys.dead)
     assert dead[b"reason"].startswith(b"redis error: WRONGTYPE")
+    assert await num_pending(redis) == 0
+
+
+async def test_an_entry_delivered_too_often_is_dead_lettered(
+    engine, reference, redis, redis_url, monkeypatch
+):
+    """Issue 12: an entry that brought down whoever served it was claimed again and again
+    (`times_delivered` 11 in 45 s), never dead-lettered. Past `KVRAIL_MAX_DELIVERIES` it is,
+    with an error chunk after what its response stream holds; one at the limit is served, and
+    delivered once by the worker that claims it (a worker that claimed entries at start, then
+    read its own pending ones, delivered each claimed entry twice)."""
+    tokens, text = reference(PROMPT, 4)
+    sampling = dict(max_tokens=4, **GREEDY)
+    crashy = await submit(redis, GenerateRequest("crashy", prompt=PROMPT, sampling=sampling))
+    unlucky = await submit(redis, GenerateRequest("unlucky", prompt=PROMPT, sampling=sampling))
+    # The last of the workers that held them published a token of "crashy", then died; the
+    # delivery counts are set as if three (two) workers had read them, and their idle time
+    # past the claim time (XCLAIM RETRYCOUNT, IDLE).
+    await streams.ensure_group(redis)
+    dead = streams.RequestConsumer(redis, redis, "dead")
+    assert [e.entry_id for e in await dead.read()] == [crashy, unlucky]
+    assert await streams.own_request(redis, "crashy", crashy, 60) == (crashy, False)
+    partial = TokenChunk("crashy", 0, token_ids=tokens[:1])
+    await streams.ResponsePublisher(redis, 60).publish([(keys.response("crashy"), partial)])
+    for entry_id, count in ((crashy, 3), (unlucky, 2)):
+        await redis.xclaim(
+            keys.requests,
+            keys.group,
+            "dead",
+            0,
+            [entry_id],
+            idle=60_000,
+            retrycount=count,
+            justid=True,
+        )
+    release = threading.Event()
+    hold_steps(engine, monkeypatch, ["unlucky"], release=release)
+    monkeypatch.setenv("KVRAIL_MAX_DELIVERIES", "3")
+    async with serving(engine, redis_url, claim_idle_ms=500) as worker:
+        crashy_chunks = await read_chunks(redis, "crashy")
+        # Past its own pending entries, the worker blocks on new ones (XREADGROUP ">").
+        while not any(
+            c["cmd"] == "xreadgroup" and "b" in c["flags"] for c in await redis.client_list()
+        ):
+            await asyncio.sleep(0.01)
+        [pending] = await redis.xpending_range(keys.requests, keys.group, unlucky, unlucky, 1)
+        assert pending["times_delivered"] == 3
+        release.set()
+        unlucky_chunks = await read_chunks(redis, "unlucky")
+        await submit(redis, GenerateRequest("next", prompt=PROMPT, sampling=sampling))
+        after = await read_chunks(redis, "next")
+        assert worker.engine_thread.num_added == 2  # "crashy" never reached the engine
+    assert [(c.seq, c.error) for c in crashy_chunks] == [
+        (0, None),
+        (1, "delivered 4 times (limit 3)"),
+    ]
+    assert joined(unlucky_chunks) == (tokens, text)  # delivered 3 times: at the limit, served
+    assert after[-1].usage["completion_tokens"] == 4
+    [(_, dead_letter)] = await redis.xrange(keys.dead)
+    assert dead_letter[b"entry_id"].decode() == crashy
+    assert dead_letter[b"reason"] == b"delivered 4 times (limit 3)"
+    assert await num_pending(redis) == 0
+
+
+async def test_a_response_key_turned_into_a_string_fails_only_its_request(
+    engine, reference, redis, redis_url, monkeypatch
+):
+    """Issue 12: a running request's response key SET to a string wedged the publisher: the
+    other requests' streams stalled, their chunks appended again at every retry. Now that
+    request alone is aborted and dead-lettered, and a state key of the wrong type costs only
+    its done mark."""
+    tokens, text = reference(PROMPT, 12)
+    ids = ["p1", "p2", "victim"]
+    all_added, first_tokens = threading.Event(), threading.Event()
+    # Outer hold: no step until all three are in the engine; inner: three steps (prompt and
+    # two tokens each), then none until the victim's key is poisoned.
+    hold_steps(engine, monkeypatch, ids, free_steps=3, release=first_tokens)
+    hold_steps(engine, monkeypatch, ids, release=all_added)
+    sampling = dict(max_tokens=12, **GREEDY)
+    entries = {
+        rid: await submit(redis, GenerateRequest(rid, PROMPT, sampling=sampling)) for rid in ids
+    }
+    async with serving(engine, redis_url) as worker:
+        while worker.engine_thread.num_added < 3:
+            await asyncio.sleep(0.01)
+        all_added.set()
+        await read_chunks(redis, "victim", until_last=False)
+        await redis.set(keys.response("victim"), b"not a stream")
+        await redis.set(keys.request_state("p2"), b"not a hash")
+        first_tokens.set()
+        answered = {rid: await read_chunks(redis, rid) for rid in ("p1", "p2")}
+        deadline = time.monotonic() + 10
+        while not await redis.xlen(keys.dead) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await submit(redis, GenerateRequest("next", PROMPT, sampling=dict(max_tokens=4, **GREEDY)))
+        after = await read_chunks(redis, "next")
+        assert "victim" not in worker.inflight
+    for rid, chunks in answered.items():
+        assert [c.seq for c in chunks] == list(range(len(chunks)))
+        assert await redis.xlen(keys.response(rid)) == len(chunks)  # none stored twice
+        assert joined(chunks) == (tokens, text)
+        assert chunks[-1].finish_reason == "length"
+    assert await redis.hget(keys.request_state("p1"), "state") == b"done"
+    [(_, dead)] = await redis.xrange(keys.dead)
+    assert dead[b"entry_id"].decode() == entries["victim"]
+    assert dead[b"reason"].startswith(b"redis error: WRONGTYPE")
+    assert after[-1].usage["completion_tokens"] == 4
+    assert await num_pending(redis) == 0
+
+
+async def test_out_of_memory_holds_every_stream_until_redis_has_room(
+    engine, reference, redis, redis_url, monkeypatch
+):
+    """Out of memory (`maxmemory` with `noeviction`) refuses every write, not one request's:
+    no request is failed for it, the publisher retries with backoff, and once Redis has room
+    each request completes, no chunk lost or stored twice."""
+    tokens, text = reference(PROMPT, 8)
+    ids = ["m1", "m2"]
+    all_added, room = threading.Event(), threading.Event()
+    hold_steps(engine, monkeypatch, ids, free_steps=2, release=room)  # prompt and a token
+    hold_steps(engine, monkeypatch, ids, release=all_added)
+    sampling = dict(max_tokens=8, **GREEDY)
+    for rid in ids:
+        await submit(redis, GenerateRequest(rid, PROMPT, sampling=sampling))
+
+    async def rejected_xadds() -> int:
+        stats = await redis.info("commandstats")
+        return stats.get("cmdstat_xadd", {}).get("rejected_calls", 0)
+
+    policy = (await redis.config_get("maxmemory-policy"))["maxmemory-policy"]
+    async with serving(engine, redis_url) as worker:
+        while worker.engine_thread.num_added < 2:
+            await asyncio.sleep(0.01)
+        all_added.set()
+        await read_chunks(redis, "m1", until_last=False)
+        rejected = await rejected_xadds()
+        await redis.config_set("maxmemory-policy", "noeviction")
+        await redis.config_set("maxmemory", 1)
+        try:
+            room.set()
+            deadline = time.monotonic() + 10
+            while await rejected_xadds() < rejected + 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert await rejected_xadds() >= rejected + 2  # the publisher tried, and again
+        finally:
+            await redis.config_set("maxmemory", 0)
+            await redis.config_set("maxmemory-policy", policy)
+        answered = {rid: await read_chunks(redis, rid) for rid in ids}
+    for rid, chunks in answered.items():
+        assert [c.seq for c in chunks] == list(range(len(chunks)))
+        assert await redis.xlen(keys.response(rid)) == len(chunks)
+        assert joined(chunks) == (tokens, text)
+    assert await redis.xlen(keys.dead) == 0
     assert await num_pending(redis) == 0
 
 
