@@ -49,7 +49,9 @@ def test_logits_match_hf(tmp_path, case):
         with torch.inference_mode():
             expected = hf_model(torch.tensor([ids])).logits[0]
         assert logits.dtype == torch.float32 and logits.shape == expected.shape
-        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+        # fp32 both, summed in different orders (oneDNN picks its kernels per CPU): measured
+        # up to 1.06e-4 on an AMX Xeon, on logits of std > 1; a wrong op is off by 1e-2 or more.
+        torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
         assert logits.std() > 1.0, "tiny models must have peaky logits"
 
 
