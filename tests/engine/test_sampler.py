@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.request import SamplingParams
-from engine.sampler import Sampler, SamplingMetadata, apply_top_k, apply_top_p
+from engine.sampler import Sampler, SamplingMetadata, apply_top_k, apply_top_p, argmax_rows
 
 V = 32
 EOS = 2
@@ -256,3 +256,16 @@ def test_top_p_and_top_k_masks_match_a_reference(scale):
         mass_above = probs.cumsum(dim=-1) - probs
         kept = kept[mass_above < top_p[row]] if top_p[row] < 1 else kept
         assert set(out[row].isfinite().nonzero().flatten().tolist()) == set(kept.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_argmax_on_ties_and_infinities(dtype):
+    """Greedy tokens come from `argmax_rows` (torch's `max`, faster on CPU): it must pick the
+    same index as `argmax` everywhere, the first of tied maxima included."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (64, 300), generator=gen).to(dtype)  # many ties per row
+    x[1] = float("-inf")
+    x[2, 10:] = float("-inf")
+    x[3] = 0.0
+    x[4, 299] = float("inf")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
