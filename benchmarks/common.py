@@ -22,6 +22,14 @@ import numpy as np
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
+# kvrail configurations the benchmarks compare (`--configs`): name -> `LLM` options.
+ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "int8": {"quantization": "int8"},
+    "fp8-kv": {"kv_cache_dtype": "fp8"},
+    "int8-fp8-kv": {"quantization": "int8", "kv_cache_dtype": "fp8"},
+}
+
 # Prompt text: the docstrings of these stdlib modules and their public members. Real English
 # (prefill cost and attention patterns differ from repeated tokens), and it needs no download.
 CORPUS_MODULES = (

@@ -18,6 +18,7 @@ import platform
 from typing import Any
 
 from benchmarks.common import (
+    ENGINE_CONFIGS,
     corpus_token_ids,
     fmt,
     greedy_params,
@@ -27,11 +28,7 @@ from benchmarks.common import (
     write_results,
 )
 
-CONFIGS: dict[str, dict[str, Any]] = {
-    "default": {},
-    "int8": {"quantization": "int8"},
-    "fp8-kv": {"kv_cache_dtype": "fp8"},
-}
+CONFIGS = ("default", "int8", "fp8-kv")  # of ENGINE_CONFIGS, scored by default
 # Perplexity over the default configuration's, at most (issue 10).
 TARGETS = {"int8": 1.03, "fp8-kv": 1.01}
 
@@ -42,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add = parser.add_argument
     add("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M-Instruct)")
-    add("--configs", default=",".join(CONFIGS), help=f"comma list of {tuple(CONFIGS)}")
+    add("--configs", default=",".join(CONFIGS), help=f"comma list of {tuple(ENGINE_CONFIGS)}")
     add("--dtype", default="auto", help="the activations' dtype, for every config")
     add("--max-tokens", type=int, default=32768, help="tokens of the text scored")
     add("--window", type=int, default=1024, help="tokens per scored window")
@@ -53,8 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--name", default="quality", help="results/<name>.json and .md")
     args = parser.parse_args(argv)
     args.configs = args.configs.split(",")
-    if args.configs[0] != "default" or set(args.configs) - set(CONFIGS):
-        parser.error(f"configs: 'default' first, then any of {tuple(CONFIGS)}")
+    if args.configs[0] != "default" or set(args.configs) - set(ENGINE_CONFIGS):
+        parser.error(f"configs: 'default' first, then any of {tuple(ENGINE_CONFIGS)}")
     return args
 
 
@@ -98,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [r.prompt_token_ids for r in workload]
     results: dict[str, dict[str, Any]] = {}
     for name in args.configs:
-        llm = LLM(args.model, dtype=args.dtype, **CONFIGS[name])
+        llm = LLM(args.model, dtype=args.dtype, **ENGINE_CONFIGS[name])
         dtype = str(llm.llm_engine.engine_core.model_runner.dtype).removeprefix("torch.")
         ppl, count = perplexity(llm, windows)
         tokens = [

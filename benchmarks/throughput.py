@@ -3,7 +3,7 @@
 In the manner of vLLM's `benchmark_throughput` and nano-vllm's bench: N requests whose
 input and output lengths are drawn uniformly from ranges, prompts cut from real English
 text, exactly `output_len` tokens each (EOS ignored, greedy). kvrail runs all N, in its
-default dtype and with each of `--quantizations` (`kvrail-int8`); the slow peers run a
+default configuration and with each of `--configs` (`kvrail-int8`); the slow peers run a
 seeded subset of the same requests and are compared per output token. The machine's bf16
 matmul rate on the model's shapes, measured in the same run, gives the compute limit in
 tokens/s.
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
+    ENGINE_CONFIGS,
     BenchRequest,
     corpus_token_ids,
     fmt,
@@ -57,7 +58,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--output-len", type=parse_range, default=(64, 256), help="LOW:HIGH output tokens")
     add("--seed", type=int, default=0)
     add("--dtype", default="auto", help="kvrail's dtype (float32, bfloat16, auto)")
-    add("--quantizations", default="int8", help="comma list of kvrail runs besides the default")
+    add(
+        "--configs",
+        default="int8",
+        help=f"comma list of kvrail runs besides the default, of {tuple(ENGINE_CONFIGS)[1:]}",
+    )
     add("--max-num-seqs", type=int, default=128)
     add("--max-num-batched-tokens", type=int, default=2048)
     # 4 GiB holds all 128 requests of the default workload at once in fp32 (46 KB a token).
@@ -71,10 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--name", default="throughput", help="results/<name>.json and .md")
     args = parser.parse_args(argv)
     args.peers = [] if args.peers == "none" else args.peers.split(",")
-    args.quantizations = [q for q in args.quantizations.split(",") if q and q != "none"]
+    args.configs = [c for c in args.configs.split(",") if c and c != "none"]
     unknown = set(args.peers) - set(PEERS)
     if unknown:
         parser.error(f"unknown peers {sorted(unknown)}; choose from {PEERS}")
+    if set(args.configs) - set(ENGINE_CONFIGS) - {"default"} or "default" in args.configs:
+        parser.error(f"configs: any of {tuple(ENGINE_CONFIGS)[1:]} (the default always runs)")
     return args
 
 
@@ -91,14 +98,15 @@ def rates(requests: list[BenchRequest], seconds: float) -> dict[str, Any]:
 
 
 def run_kvrail(
-    args: argparse.Namespace, workload: list[BenchRequest], quantization: str | None
+    args: argparse.Namespace, workload: list[BenchRequest], config: str
 ) -> dict[str, Any]:
     from engine import LLM
 
+    options = ENGINE_CONFIGS[config]
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
-        quantization=quantization,
+        **options,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -119,7 +127,10 @@ def run_kvrail(
     dtype = str(llm.llm_engine.engine_core.model_runner.dtype).removeprefix("torch.")
     result = {
         **rates(workload, seconds),
-        "dtype": f"{quantization} ({dtype})" if quantization else dtype,
+        "dtype": ", ".join(
+            [f"{options['quantization']} ({dtype})" if "quantization" in options else dtype]
+            + (["fp8 kv"] if options.get("kv_cache_dtype") == "fp8" else [])
+        ),
     }
     result["num_preemptions"] = stats.num_preemptions
     return result  # the engine is freed here, before the peers load their models
@@ -268,9 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         "gflop_per_token": per_token / 1e9,
         "limit_tokens_per_s": flops / per_token,
     }
-    results = {"kvrail": run_kvrail(args, workload, None)}
-    for quantization in args.quantizations:
-        results[f"kvrail-{quantization}"] = run_kvrail(args, workload, quantization)
+    results = {"kvrail": run_kvrail(args, workload, "default")}
+    for config in args.configs:
+        results[f"kvrail-{config}"] = run_kvrail(args, workload, config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     results.update(run_hf_peers(args, model_dir, workload, pad_id))
     notes = []
