@@ -148,6 +148,23 @@ def test_seeded_sampling_with_drafts_is_independent_of_the_batch(target):
     assert_pool_free(llm)
 
 
+def test_a_resumed_request_goes_on_with_drafts(target):
+    """A worker crash resumes a request from its emitted tokens: the rest is unchanged."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    (plain,) = LLM(str(target), dtype="float32").generate(PROMPTS[0], params)
+    expected = plain.outputs[0].token_ids
+    llm = LLM(str(target), dtype="float32", speculative_config=NGRAM)
+    engine = llm.llm_engine
+    engine.add_request("r", PROMPTS[0], params, resume=[expected[:17]])
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.outputs[0].token_ids
+    assert expected[:17] + tokens == expected
+    assert engine.get_stats().spec_decode_num_accepted_tokens > 0
+    assert_pool_free(llm)
+
+
 def test_the_default_model_is_lossless_in_fp32():
     """SmolLM2 copying a passage: drafts are mostly accepted, the text is the plain one."""
     passage = (
