@@ -137,6 +137,21 @@ def test_greedy_outputs_equal_plain_decoding(target, draft, plain_outputs, metho
     assert_pool_free(llm)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_every_attention_backend_verifies_drafts(draft, backend):
+    """Verify steps are prefill-shaped (k + 1 queries over cached context) on every backend;
+    the `cpu` one runs them in the tests above, as graphs when one request verifies. (The
+    draft fixture is the model here: its text repeats soon, so drafts come early.)"""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kwargs = dict(dtype="float32", block_size=8, attention_backend=backend)
+    plain = LLM(str(draft), **kwargs).generate(PROMPTS[0], params)
+    llm = LLM(str(draft), speculative_config=NGRAM, **kwargs)
+    spec = llm.generate(PROMPTS[0], params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert llm.llm_engine.get_stats().spec_decode_num_accepted_tokens > 0
+    assert_pool_free(llm)
+
+
 def test_seeded_sampling_with_drafts_is_independent_of_the_batch(target):
     llm = LLM(str(target), dtype="float32", speculative_config=NGRAM)
     seeded = SamplingParams(temperature=0.7, seed=7, max_tokens=30, ignore_eos=True)
