@@ -1,5 +1,5 @@
 """GPU check: kernels vs references, int8 / fp8 linears vs bf16, engine-vs-HF parity,
-throughput, fp8 KV.
+throughput, fp8 KV, speculative decoding.
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py [--quick] [--dry-run]
 
@@ -758,6 +758,51 @@ def decode_step_time(llm, scale: Scale, device: torch.device) -> dict:
     )
 
 
+def check_spec_decode(scale: Scale, device: torch.device, workdir: Path) -> dict:
+    """Speculative decoding through the triton backend (verify steps run eagerly on CUDA): a
+    random model drafting for itself (`draft_model` with its own path: every draft right in
+    greedy decoding, so acceptance near 1 measures the verify step's cost, not a proposer),
+    single stream and batched, against the same engine without drafts; greedy tokens must
+    be equal."""
+    from engine import LLM, SamplingParams
+
+    path = make_random_model(workdir / "model", scale.model, device)
+    prompts, _ = nano_vllm_workload(8, scale.min_len, scale.min_len + 8, scale.model["vocab_size"])
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4}
+    results: dict = {}
+    tokens = {}
+    for name, options in {"plain": {}, "self_draft_k4": {"speculative_config": spec}}.items():
+        llm = LLM(str(path), attention_backend="triton" if device.type == "cuda" else "torch",
+                  device=device.type, max_model_len=scale.min_len + 96, **options)  # fmt: skip
+        llm.generate(prompts[:1], params)  # warm-up
+        row: dict = {}
+        for mode, batch in (("single", prompts[:1]), ("batch8", prompts)):
+            start = time.perf_counter()
+            outputs = llm.generate(batch, params)
+            seconds = time.perf_counter() - start
+            row[f"{mode}_output_tok_s"] = (
+                sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
+            )
+            tokens[name, mode] = [o.outputs[0].token_ids for o in outputs]
+        stats = llm.llm_engine.get_stats()
+        if stats.spec_decode_num_draft_tokens:
+            row["acceptance"] = (
+                stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
+            )
+        results[name] = row
+        del llm
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for mode in ("single", "batch8"):
+        key = f"{mode}_output_tok_s"
+        results[f"{mode}_speedup"] = results["self_draft_k4"][key] / results["plain"][key]
+        pairs = zip(tokens["plain", mode], tokens["self_draft_k4", mode], strict=True)
+        results[f"{mode}_same_tokens"] = sum(a == b for a, b in pairs)
+    results["passed"] = results["single_same_tokens"] == 1 and results["batch8_same_tokens"] >= 7
+    return results
+
+
 SECTIONS = {
     "kernels": check_kernels,
     "int8_linear": check_int8_linear,
@@ -766,6 +811,7 @@ SECTIONS = {
     "throughput": check_throughput,
     "fp8_kv": check_fp8_kv,
     "quantized_engine": check_quantized_engine,
+    "spec_decode": check_spec_decode,
 }
 TARGETS = [
     (
@@ -793,6 +839,7 @@ TARGETS = [
         ">=",
         1.0,
     ),
+    ("spec decode greedy tokens == plain (self-draft)", ("spec_decode", "passed"), "==", True),
 ]
 
 
