@@ -100,7 +100,7 @@ def simulate_paged(
             for r in req_ids
         ]
         scheduler.update_from_output(
-            output, ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
+            output, ModelRunnerOutput(req_ids, sampled, [[] for _ in req_ids])
         )
     occupancy.preemptions = scheduler.num_preemptions
     return occupancy

@@ -3,10 +3,93 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "fp8")  # W8A8 int8 (CPU and CUDA); fp8 weights (CUDA with fp8 only)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto = the model dtype; fp8 = e4m3 with scales
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Drafts longer than this are all but never accepted whole (acceptance decays per position)
+# and each proposed token costs a verified row whether accepted or not.
+MAX_NUM_SPECULATIVE_TOKENS = 8
+
+
+def _checker(config: object):
+    def check(ok: bool, name: str, why: str) -> None:
+        if not ok:
+            raise ValueError(f"{name} {why}, got {getattr(config, name)!r}")
+
+    return check
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): a proposer guesses the next
+    `num_speculative_tokens` tokens of a request, the target verifies them in its next step.
+
+    - `ngram`: the continuation of the latest earlier occurrence, in the request's own prompt
+      and output, of its last `prompt_lookup_max` .. `prompt_lookup_min` tokens;
+    - `draft_model`: greedy tokens of a smaller model (`model`) sharing the target's
+      vocabulary, with its own paged KV cache on the target's block tables.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4  # ngram: longest suffix looked up
+    prompt_lookup_min: int = 2  # ngram: shortest suffix looked up
+    model: str | None = None  # draft_model: HF folder or .gguf file
+    # Steps with at least this many requests run without speculation (None: never off); see
+    # `benchmarks/spec_decode.py` for the measured crossover.
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        check = _checker(self)
+        check(self.method in SPECULATIVE_METHODS, "method", f"must be one of {SPECULATIVE_METHODS}")
+        check(
+            _is_int(self.num_speculative_tokens)
+            and 1 <= self.num_speculative_tokens <= MAX_NUM_SPECULATIVE_TOKENS,
+            "num_speculative_tokens",
+            f"must be an integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}]",
+        )
+        check(
+            _is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1,
+            "prompt_lookup_min",
+            "must be an integer >= 1",
+        )
+        check(
+            _is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
+            "prompt_lookup_max",
+            "must be an integer >= prompt_lookup_min",
+        )
+        check(
+            (self.model is not None) == (self.method == "draft_model"),
+            "model",
+            "must be given for method 'draft_model' and only for it",
+        )
+        check(
+            self.disable_by_batch_size is None
+            or (_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
+            "disable_by_batch_size",
+            "must be None or an integer >= 1",
+        )
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> SpeculativeConfig:
+        """From vLLM's `speculative_config` dict; an unknown key is an error."""
+        if not isinstance(options, dict):
+            raise ValueError(f"speculative_config must be a dict, got {options!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
+        for name in ("method", "num_speculative_tokens"):
+            if name not in options:
+                raise ValueError(f"speculative_config needs {name!r}")
+        return cls(**options)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -35,12 +118,20 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings, capped at 8192
     long_prefill_token_threshold: int = 0  # >0: a prefill takes at most this many tokens a step
     max_waiting_requests: int = 4096  # add_request beyond this raises (overload is answered)
+    # None = no speculative decoding; a dict is read as `SpeculativeConfig.from_dict`
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
-        def check(ok: bool, name: str, why: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
-
+        check = _checker(self)
+        if isinstance(self.speculative_config, dict):
+            spec = SpeculativeConfig.from_dict(self.speculative_config)
+            object.__setattr__(self, "speculative_config", spec)
+        check(
+            self.speculative_config is None
+            or isinstance(self.speculative_config, SpeculativeConfig),
+            "speculative_config",
+            "must be None, a dict or a SpeculativeConfig",
+        )
         check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}")
         check(
             self.quantization is None or self.quantization in QUANTIZATIONS,
@@ -89,6 +180,9 @@ class SchedulerConfig:
     max_model_len: int
     long_prefill_token_threshold: int = 0
     max_waiting_requests: int = 4096
+    num_speculative_tokens: int = 0  # drafts a request may carry into a step (0: none)
+    # KV slots reserved past a step's tokens: the draft model writes its drafts' KV there
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,13 @@ or a `engine.kernels.cpu_runtime.CpuGraph`, runs them all in one call. Graphs re
 addresses, so each step's inputs are copied into persistent buffers; a batch is padded up to
 its bucket with rows that write no KV (slot -1) and attend to nothing (seq_len 0). Steps with
 a prefill run eagerly.
+
+With speculative decoding, steps verify up to k drafts a request: up to k + 1 query tokens
+each. CPU graphs capture those steps too, as "verify" buckets of `size` requests and
+`size * (k + 1)` token rows, whose attention runs the prompt kernel (any query length over
+cached context, read from the buffers at replay); a step whose requests have fewer tokens
+pads them with rows that belong to no request. CUDA graphs capture decode steps only:
+verify steps run eagerly there (`DecodeGraphs.query_lens`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,12 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs(ABC):
-    """Decode-step graphs of `model` for every bucket size; see the module docstring."""
+    """Decode-step graphs of `model` for every bucket; see the module docstring.
+
+    Buckets are (query_len, size): `size` requests of at most `query_len` tokens, for each
+    size of `sizes` and each length of `query_lens` (1: decode; k + 1: verify) whose
+    `size * query_len` rows do not pass `max_num_tokens`.
+    """
 
     kind: str
 
@@ -44,93 +56,118 @@ class DecodeGraphs(ABC):
         max_num_blocks_per_req: int,
         block_size: int,
         device: torch.device,
+        query_lens: tuple[int, ...] = (1,),
+        max_num_tokens: int = 1 << 30,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.block_size = block_size
-        self.sizes = sizes
-        n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros(
-            (n, max_num_blocks_per_req), dtype=torch.int32, device=device
+        self.buckets = sorted(
+            (q, size) for q in query_lens for size in sizes if size * q <= max_num_tokens
         )
-        self.outputs: dict[int, torch.Tensor] = {}
+        num_reqs = max(size for _, size in self.buckets)
+        num_tokens = max(q * size for q, size in self.buckets)
+        self.input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(num_reqs, dtype=torch.int32, device=device)
+        # Per query_len: decode buckets keep arange (a row a request), verify ones are
+        # rewritten each replay.
+        self.query_start_loc = {
+            q: torch.arange(num_reqs + 1, dtype=torch.int32, device=device) * q for q in query_lens
+        }
+        self.block_table = torch.zeros(
+            (num_reqs, max_num_blocks_per_req), dtype=torch.int32, device=device
+        )
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
-    def _metadata(self, size: int) -> CommonAttentionMetadata:
+    def _metadata(self, q: int, size: int) -> CommonAttentionMetadata:
         """A bucket's metadata over the persistent buffers (on the CPU, the `*_cpu` fields are
         the same buffers, so the step's values reach the backend through them)."""
         on_cpu = self.seq_lens.device.type == "cpu"
+        qsl = self.query_start_loc[q][: size + 1]
         return CommonAttentionMetadata(
-            query_start_loc=self.query_start_loc[: size + 1],
-            query_start_loc_cpu=(
-                self.query_start_loc[: size + 1]
-                if on_cpu
-                else torch.arange(size + 1, dtype=torch.int32)
-            ),
+            query_start_loc=qsl,
+            query_start_loc_cpu=(qsl if on_cpu else torch.arange(size + 1, dtype=torch.int32) * q),
             seq_lens=self.seq_lens[:size],
             # unread by the triton backend; read on the CPU
             seq_lens_cpu=self.seq_lens[:size] if on_cpu else torch.ones(size, dtype=torch.int32),
             block_table=self.block_table[:size],
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=self.slot_mapping[: size * q],
             num_reqs=size,
-            num_actual_tokens=size,
-            max_query_len=1,
+            num_actual_tokens=size * q,
+            max_query_len=q,
             max_seq_len=self.block_table.shape[1] * self.block_size,
             block_size=self.block_size,
         )
 
     @abstractmethod
-    def _capture(self, size: int) -> None:
-        """Capture bucket `size` into `self.outputs[size]` and the kind's graph."""
+    def _capture(self, q: int, size: int) -> None:
+        """Capture bucket (q, size) into `self.outputs[q, size]` and the kind's graph."""
 
     @abstractmethod
-    def _replay(self, size: int) -> None: ...
+    def _replay(self, q: int, size: int) -> None: ...
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first.
 
-        Mutates the KV caches only through padding rows (slot -1): nothing is written.
+        Mutates the KV caches only through padding rows (slot -1): nothing is written. A
+        verify bucket is captured with each request's queries at positions 0..q-1 (a valid
+        causal shape), its seq_lens reset after.
         """
         start = time.perf_counter()
-        for size in reversed(self.sizes):
-            self._capture(size)
+        for q, size in reversed(self.buckets):
+            self.seq_lens[:size].fill_(q if q > 1 else 0)
+            self._capture(q, size)
+        self.seq_lens.zero_()
         logger.info(
-            "captured %d decode %s graphs (batch %d..%d) in %.1f s",
-            len(self.sizes),
+            "captured %d decode %s graphs (query_len, batch: %s) in %.1f s",
+            len(self.buckets),
             self.kind,
-            self.sizes[0],
-            self.sizes[-1],
+            self.buckets,
             time.perf_counter() - start,
         )
 
+    def _bucket(self, common: CommonAttentionMetadata) -> tuple[int, int] | None:
+        """The smallest bucket that holds the step, decode ones first; None: run eagerly."""
+        for q, size in self.buckets:
+            if (
+                common.max_query_len <= q
+                and common.num_reqs <= size
+                and common.num_actual_tokens <= q * size
+                and (q == 1) == (common.max_query_len == 1)
+            ):
+                return q, size
+        return None
+
     def can_run(self, common: CommonAttentionMetadata) -> bool:
-        return common.max_query_len == 1 and common.num_reqs <= self.sizes[-1]
+        return self._bucket(common) is not None
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, common: CommonAttentionMetadata
     ) -> torch.Tensor:
-        """Replay the smallest bucket that fits this all-decode step; `[num_reqs, hidden]`.
+        """Replay the smallest bucket that fits this step; `[num_actual_tokens, hidden]`.
 
         Inputs are device tensors of the step; copies into the buffers are device-side.
         """
-        n = common.num_reqs
-        size = next(s for s in self.sizes if s >= n)
+        q, size = self._bucket(common)
+        n, num_tokens = common.num_reqs, common.num_actual_tokens
         width = common.block_table.shape[1]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(common.slot_mapping[:n], non_blocking=True)
+        self.input_ids[:num_tokens].copy_(input_ids, non_blocking=True)
+        self.positions[:num_tokens].copy_(positions, non_blocking=True)
+        self.slot_mapping[:num_tokens].copy_(common.slot_mapping[:num_tokens], non_blocking=True)
         self.seq_lens[:n].copy_(common.seq_lens, non_blocking=True)
         # Entries past `width` are stale but never read: each row reads cdiv(seq_len, bs).
         self.block_table[:n, :width].copy_(common.block_table, non_blocking=True)
-        self.slot_mapping[n:size].fill_(-1)
+        self.slot_mapping[num_tokens : q * size].fill_(-1)
         self.seq_lens[n:size].zero_()
-        self._replay(size)
-        return self.outputs[size][:n]
+        if q > 1:  # padding requests have no queries; padding rows belong to none
+            qsl = self.query_start_loc[q]
+            qsl[: n + 1].copy_(common.query_start_loc, non_blocking=True)
+            qsl[n + 1 : size + 1].fill_(num_tokens)
+        self._replay(q, size)
+        return self.outputs[q, size][:num_tokens]
 
 
 class CudaDecodeGraphs(DecodeGraphs):
@@ -138,24 +175,24 @@ class CudaDecodeGraphs(DecodeGraphs):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None  # smaller buckets reuse the largest one's memory pool
 
-    def _forward(self, size: int) -> torch.Tensor:
-        with set_forward_context(self.attn_backend.build(self._metadata(size))):
-            return self.model(self.input_ids[:size], self.positions[:size])
+    def _forward(self, q: int, size: int) -> torch.Tensor:
+        with set_forward_context(self.attn_backend.build(self._metadata(q, size))):
+            return self.model(self.input_ids[: q * size], self.positions[: q * size])
 
-    def _capture(self, size: int) -> None:
-        self._forward(size)  # warm-up: Triton compiles and autotunes outside the capture
+    def _capture(self, q: int, size: int) -> None:
+        self._forward(q, size)  # warm-up: Triton compiles and autotunes outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[size] = self._forward(size)
+            self.outputs[q, size] = self._forward(q, size)
         self.pool = graph.pool()
-        self.graphs[size] = graph
+        self.graphs[q, size] = graph
         torch.cuda.synchronize()
 
-    def _replay(self, size: int) -> None:
-        self.graphs[size].replay()
+    def _replay(self, q: int, size: int) -> None:
+        self.graphs[q, size].replay()
 
 
 class CpuDecodeGraphs(DecodeGraphs):
@@ -170,17 +207,19 @@ class CpuDecodeGraphs(DecodeGraphs):
         super().__init__(*args, **kwargs)
         from engine.kernels.cpu_runtime import CpuGraph, CpuGraphPool
 
-        self.graphs: dict[int, CpuGraph] = {}
+        self.graphs: dict[tuple[int, int], CpuGraph] = {}
         self.pool = CpuGraphPool()
 
-    def _capture(self, size: int) -> None:
+    def _capture(self, q: int, size: int) -> None:
         from engine.kernels.cpu_runtime import capture
 
-        metadata = self.attn_backend.build(self._metadata(size))
+        metadata = self.attn_backend.build(self._metadata(q, size))
         with set_forward_context(metadata), capture(self.pool) as graph:
-            self.outputs[size] = self.model(self.input_ids[:size], self.positions[:size])
+            self.outputs[q, size] = self.model(
+                self.input_ids[: q * size], self.positions[: q * size]
+            )
         graph.keep.append(metadata)
-        self.graphs[size] = graph
+        self.graphs[q, size] = graph
 
-    def _replay(self, size: int) -> None:
-        self.graphs[size].replay()
+    def _replay(self, q: int, size: int) -> None:
+        self.graphs[q, size].replay()

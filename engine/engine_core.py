@@ -50,6 +50,7 @@ class EngineCore:
             logger.warning("max_model_len lowered to %d to fit the KV pool", max_model_len)
         self.max_model_len = max_model_len
         self.vocab_size = self.model_runner.vocab_size
+        spec = config.speculative_config
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -57,6 +58,10 @@ class EngineCore:
                 max_model_len=max_model_len,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 max_waiting_requests=config.max_waiting_requests,
+                num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+                num_lookahead_tokens=spec.num_speculative_tokens
+                if spec and spec.method == "draft_model"
+                else 0,
             ),
             CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching),
         )

@@ -305,22 +305,27 @@ class LLMEngine:
     ) -> CompletionOutput:
         child = parent.children[out.request_id]
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
-        child.token_ids.extend(out.new_token_ids)
-        new_logprobs = [self._to_logprob_dict(entry) for entry in out.new_logprobs]
-        if child.logprobs is not None:
-            child.logprobs.extend(new_logprobs)
-            child.cumulative_logprob += sum(entry.logprobs[0] for entry in out.new_logprobs)
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        stop_string = child.detokenizer.update(out.new_token_ids)
+        new_token_ids, new_entries = out.new_token_ids, out.new_logprobs
+        num_decoded = len(child.detokenizer.output_token_ids)
+        stop_string = child.detokenizer.update(new_token_ids)
         if stop_string is not None:
             if finish_reason is None:
                 stops[out.request_id] = stop_string
             finish_reason, stop_reason = FinishReason.STOP, stop_string
+            # Several tokens of a step (accepted drafts): those after the stop are dropped.
+            num_kept = len(child.detokenizer.output_token_ids) - num_decoded
+            new_token_ids, new_entries = new_token_ids[:num_kept], new_entries[:num_kept]
+        child.token_ids.extend(new_token_ids)
+        new_logprobs = [self._to_logprob_dict(entry) for entry in new_entries]
+        if child.logprobs is not None:
+            child.logprobs.extend(new_logprobs)
+            child.cumulative_logprob += sum(entry.logprobs[0] for entry in new_entries)
         child.finish_reason, child.stop_reason = finish_reason, stop_reason
         return CompletionOutput(
             index=child.index,
             text=child.detokenizer.get_next_output_text(finish_reason is not None, delta=True),
-            token_ids=list(out.new_token_ids),
+            token_ids=list(new_token_ids),
             cumulative_logprob=child.cumulative_logprob,
             logprobs=new_logprobs if child.logprobs is not None else None,
             finish_reason=finish_reason,

@@ -45,7 +45,10 @@ from engine.models.layers import model_kernels
 from engine.models.llama import head_dim_of
 from engine.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from engine.request import SamplingParams
-from engine.sampler import Sampler, SamplingMetadata, gather_logprobs
+from engine.sampler import Sampler, SamplingMetadata, argmax_rows, gather_logprobs
+from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.ngram_proposer import NgramProposer
+from engine.spec_decode.rejection_sampler import rejection_sample
 
 logger = logging.getLogger("kvrail.model_runner")
 
@@ -160,6 +163,14 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphs | None = None
+        self.spec_config = spec = config.speculative_config
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+        elif spec is not None:
+            self.proposer = DraftModelProposer(self, spec.model, spec.num_speculative_tokens)
 
     def _load_model(
         self, model_dir: Path, max_model_len: int | None, calibration_token_ids: list[int]
@@ -218,7 +229,12 @@ class ModelRunner:
         return hidden_states, stored
 
     def num_kv_blocks_for(self, memory_bytes: int) -> int:
-        return memory_bytes // self.kv_cache_spec.bytes_per_block(self.block_size)
+        """Blocks that fit `memory_bytes`: a block id costs its KV in every layer of the
+        model, and of the draft model when there is one."""
+        bytes_per_block = self.kv_cache_spec.bytes_per_block(self.block_size)
+        if isinstance(self.proposer, DraftModelProposer):
+            bytes_per_block += self.proposer.kv_cache_spec.bytes_per_block(self.block_size)
+        return memory_bytes // bytes_per_block
 
     def determine_num_kv_blocks(self) -> int:
         """KV pool size: `kv_cache_memory_bytes` on CPU, profiled free memory on CUDA."""
@@ -340,6 +356,8 @@ class ModelRunner:
         spec = self.kv_cache_spec
         self.kv_caches = spec.allocate(num_blocks, self.block_size, self.device)
         self.model.bind_kv_cache(self.kv_caches)
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.initialize_kv_cache(num_blocks)
         num_bytes = num_blocks * spec.bytes_per_block(self.block_size)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB, %s)",
@@ -352,16 +370,26 @@ class ModelRunner:
         if self.config.enforce_eager:
             return
         graphs_args = (self.max_num_blocks_per_req, self.block_size, self.device)
+        sizes = capture_sizes(self.max_num_reqs)
         if self.device.type == "cuda" and self.attn_backend.name == "triton":
-            sizes = capture_sizes(self.max_num_reqs)
+            if self.spec_config is not None:
+                logger.info("speculative verify steps run without CUDA graphs (decode only)")
             self.decode_graphs = CudaDecodeGraphs(
                 self.model, self.attn_backend, sizes, *graphs_args
             )
         elif self.attn_backend.name == "cpu":
-            # Steps whose linear layers run on torch's matmul cannot be recorded.
-            max_size = self.model.lm_head.method.cpu_graph_max_tokens
-            sizes = [s for s in capture_sizes(self.max_num_reqs) if s <= max_size]
-            self.decode_graphs = CpuDecodeGraphs(self.model, self.attn_backend, sizes, *graphs_args)
+            query_lens = (1,)
+            if self.spec_config is not None:
+                query_lens = (1, self.spec_config.num_speculative_tokens + 1)
+            self.decode_graphs = CpuDecodeGraphs(
+                self.model,
+                self.attn_backend,
+                sizes,
+                *graphs_args,
+                query_lens=query_lens,
+                # Steps whose linear layers run on torch's matmul cannot be recorded.
+                max_num_tokens=self.model.lm_head.method.cpu_graph_max_tokens,
+            )
         if self.decode_graphs is not None:
             self.decode_graphs.capture()
 
@@ -391,6 +419,8 @@ class ModelRunner:
                 prompt_logprobs=[] if params.prompt_logprobs is not None else None,
             )
             self.requests[new.req_id] = state
+            if isinstance(self.proposer, DraftModelProposer):
+                self.proposer.reset(new.req_id, new.num_computed_tokens)
             self.token_ids_cpu[state.row, : len(new.prompt_token_ids)] = new.prompt_token_ids
             self.block_table_cpu[state.row, : len(state.block_ids)] = state.block_ids
         cached = scheduler_output.scheduled_cached_reqs
@@ -399,9 +429,15 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens[i]
             if cached.resumed_from_preemption[i]:
                 state.block_ids = list(cached.new_block_ids[i])
+                if isinstance(self.proposer, DraftModelProposer):
+                    self.proposer.reset(req_id, state.num_computed_tokens)
             else:
                 state.block_ids.extend(cached.new_block_ids[i])
             self.block_table_cpu[state.row, : len(state.block_ids)] = state.block_ids
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            state = self.requests[req_id]
+            start = state.num_tokens
+            self.token_ids_cpu[state.row, start : start + len(drafts)] = drafts
 
     def _forget(self, req_ids: Iterable[str]) -> None:
         """Drop the runner's copy of these requests (those it holds) and free their rows."""
@@ -409,18 +445,44 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self.free_rows.append(state.row)
+            if isinstance(self.proposer, DraftModelProposer):
+                self.proposer.forget(req_id)
 
     def _prepare_inputs(self, scheduler_output: SchedulerOutput, req_ids: list[str]):
         """The step's flat tensors, built with vectorised gathers on the persistent arrays."""
         states = [self.requests[r] for r in req_ids]
-        rows = np.array([s.row for s in states], dtype=np.int64)
         num_scheduled = np.array(
             [scheduler_output.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64
         )
-        num_computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        input_ids, positions, common = self.build_batch(
+            np.array([s.row for s in states], dtype=np.int64),
+            np.array([s.num_computed_tokens for s in states], dtype=np.int64),
+            num_scheduled,
+        )
+        seq_lens = common.seq_lens_cpu.numpy()
+        cu_num_tokens = common.query_start_loc_cpu.numpy()[1:]
+        # A request samples when this step reaches the end of its known tokens and drafts;
+        # it takes logits of its last token and of each draft.
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        num_drafts = np.array([len(spec.get(r, ())) for r in req_ids], dtype=np.int64)
+        is_sampling = seq_lens == np.array([s.num_tokens for s in states]) + num_drafts
+        num_rows = num_drafts[is_sampling] + 1
+        first_rows = np.repeat(cu_num_tokens[is_sampling] - num_rows, num_rows)
+        logits_indices = (
+            first_rows
+            + np.arange(num_rows.sum())
+            - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
+        )
+        return input_ids, positions, common, is_sampling, logits_indices
+
+    def build_batch(
+        self, rows: np.ndarray, num_computed: np.ndarray, num_scheduled: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
+        """Input ids, positions and attention metadata of a flat batch: request i is the
+        persistent row `rows[i]`, its tokens `num_computed[i]` .. + `num_scheduled[i]`."""
         cu_num_tokens = np.cumsum(num_scheduled)
         num_tokens = int(cu_num_tokens[-1])
-        token_req_idx = np.repeat(np.arange(len(req_ids)), num_scheduled)
+        token_req_idx = np.repeat(np.arange(len(rows)), num_scheduled)
         offsets = np.arange(num_tokens) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
         positions = num_computed[token_req_idx] + offsets
         token_rows = rows[token_req_idx]
@@ -429,7 +491,7 @@ class ModelRunner:
         slot_mapping = (
             block_numbers.astype(np.int64) * self.block_size + positions % self.block_size
         )
-        seq_lens = num_computed + num_scheduled
+        seq_lens = (num_computed + num_scheduled).astype(np.int32)
         max_seq_len = int(seq_lens.max())
         query_start_loc = np.concatenate([[0], cu_num_tokens]).astype(np.int32)
         block_table = self.block_table_cpu[rows, : -(-max_seq_len // self.block_size)]
@@ -437,20 +499,17 @@ class ModelRunner:
         common = CommonAttentionMetadata(
             query_start_loc=to_device(query_start_loc),
             query_start_loc_cpu=torch.from_numpy(query_start_loc),
-            seq_lens=to_device(seq_lens.astype(np.int32)),
-            seq_lens_cpu=torch.from_numpy(seq_lens.astype(np.int32)),
+            seq_lens=to_device(seq_lens),
+            seq_lens_cpu=torch.from_numpy(seq_lens),
             block_table=to_device(block_table),
             slot_mapping=to_device(slot_mapping),
-            num_reqs=len(req_ids),
+            num_reqs=len(rows),
             num_actual_tokens=num_tokens,
             max_query_len=int(num_scheduled.max()),
             max_seq_len=max_seq_len,
             block_size=self.block_size,
         )
-        # A request samples when this step reaches the end of its known tokens.
-        is_sampling = seq_lens == np.array([s.num_tokens for s in states])
-        logits_indices = cu_num_tokens[is_sampling] - 1
-        return to_device(input_ids), to_device(positions), common, is_sampling, logits_indices
+        return to_device(input_ids), to_device(positions), common
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: update request copies, forward the flat batch, sample.
@@ -484,38 +543,119 @@ class ModelRunner:
         completed = self._compute_prompt_logprobs(scheduler_output, req_ids, hidden_states)
         sampling_states = [self.requests[r] for r, s in zip(req_ids, is_sampling, strict=True) if s]
         sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
-        logprobs: list[LogprobsEntry | None] = [None] * len(req_ids)
+        logprobs: list[list[LogprobsEntry]] = [[] for _ in req_ids]
+        spec_token_ids: list[list[int]] = []
         if sampling_states:
             logits = self.model.compute_logits(hidden_states[self._to_device(logits_indices)])
-            metadata = SamplingMetadata.build(
-                params=[s.sampling_params for s in sampling_states],
-                prompt_token_ids=[s.prompt_token_ids for s in sampling_states],
-                output_token_ids=[s.output_token_ids for s in sampling_states],
-                generators={i: s.generator for i, s in enumerate(sampling_states) if s.generator},
-                vocab_size=self.vocab_size,
-                eos_token_ids=[self.eos_token_id] * len(sampling_states),
-                device=self.device,
-            )
-            sampler_output = self.sampler(logits, metadata)
-            tokens = sampler_output.sampled_token_ids.tolist()
-            entries = (
-                sampler_output.logprobs.to_entries(
-                    [s.sampling_params.logprobs for s in sampling_states]
-                )
-                if sampler_output.logprobs is not None
-                else [None] * len(sampling_states)
-            )
+            spec = scheduler_output.scheduled_spec_decode_tokens
+            drafts = [spec.get(s.req_id, []) for s in sampling_states]
+            tokens, entries = self._sample(logits, sampling_states, drafts)
             sample_idx = np.flatnonzero(is_sampling)
             for j, state in enumerate(sampling_states):
-                state.output_token_ids.append(tokens[j])
-                if state.num_tokens <= self.max_model_len:
-                    self.token_ids_cpu[state.row, state.num_tokens - 1] = tokens[j]
-                sampled_token_ids[sample_idx[j]] = [tokens[j]]
+                for token_id in tokens[j]:
+                    state.output_token_ids.append(token_id)
+                    if state.num_tokens <= self.max_model_len:
+                        self.token_ids_cpu[state.row, state.num_tokens - 1] = token_id
+                sampled_token_ids[sample_idx[j]] = tokens[j]
                 logprobs[sample_idx[j]] = entries[j]
+            if self.spec_config is not None:
+                spec_token_ids = [[] for _ in req_ids]
+                for j, drafts_j in enumerate(self._propose(sampling_states)):
+                    spec_token_ids[sample_idx[j]] = drafts_j
         prompt_logprobs = {}
         for state in completed:
             prompt_logprobs[state.req_id], state.prompt_logprobs = state.prompt_logprobs, None
-        return ModelRunnerOutput(req_ids, sampled_token_ids, logprobs, prompt_logprobs)
+        return ModelRunnerOutput(
+            req_ids, sampled_token_ids, logprobs, prompt_logprobs, spec_token_ids
+        )
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        states: list[CachedRequestState],
+        drafts: list[list[int]],
+    ) -> tuple[list[list[int]], list[list[LogprobsEntry]]]:
+        """Tokens and logprobs entries per sampling request, from its rows of `logits`: one
+        row, or with drafts one row per draft and one more, verified (`rejection_sample`).
+        Row j of a request with drafts is processed as if its first j drafts were output."""
+        row_states = [s for s, d in zip(states, drafts, strict=True) for _ in range(len(d) + 1)]
+        row_outputs = [
+            s.output_token_ids + d[:j] if j else s.output_token_ids
+            for s, d in zip(states, drafts, strict=True)
+            for j in range(len(d) + 1)
+        ]
+        # Rows are requests when there are no drafts: the sampler draws with their generators.
+        generators = {}
+        if not any(drafts):
+            generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        metadata = SamplingMetadata.build(
+            params=[s.sampling_params for s in row_states],
+            prompt_token_ids=[s.prompt_token_ids for s in row_states],
+            output_token_ids=row_outputs,
+            generators=generators,
+            vocab_size=self.vocab_size,
+            eos_token_ids=[self.eos_token_id] * len(row_states),
+            device=self.device,
+        )
+        num_logprobs = [s.sampling_params.logprobs for s in states]
+        if not any(drafts):
+            out = self.sampler(logits, metadata)
+            tokens = [[t] for t in out.sampled_token_ids.tolist()]
+            if out.logprobs is None:
+                return tokens, [[] for _ in states]
+            entries = out.logprobs.to_entries(num_logprobs)
+            return tokens, [[e] if e is not None else [] for e in entries]
+        processed = self.sampler.process_logits(logits.float(), metadata)
+        tokens = rejection_sample(
+            drafts,
+            target_argmax=argmax_rows(processed).tolist(),
+            target_probs=None
+            if metadata.all_greedy
+            else self.sampler.compute_probs(processed, metadata),
+            is_greedy=[s.sampling_params.is_greedy for s in states],
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+        )
+        if metadata.max_num_logprobs is None:
+            return tokens, [[] for _ in states]
+        # Each emitted token's entry comes from its own row, from the raw distribution (as
+        # `Sampler` reports them); a request's rows start where the previous one's end.
+        rows, row_tokens, row_num_logprobs, row = [], [], [], 0
+        for j, d in enumerate(drafts):
+            rows += range(row, row + len(tokens[j]))
+            row_tokens += tokens[j]
+            row_num_logprobs += [num_logprobs[j]] * len(tokens[j])
+            row += len(d) + 1
+        raw_logprobs = torch.log_softmax(
+            logits[self._to_device(np.array(rows))], dim=-1, dtype=torch.float32
+        )
+        top = gather_logprobs(
+            raw_logprobs,
+            metadata.max_num_logprobs,
+            torch.tensor(row_tokens, dtype=torch.int64, device=self.device),
+        )
+        flat = top.to_entries(row_num_logprobs)
+        entries, start = [], 0
+        for j in range(len(states)):
+            entries.append([] if num_logprobs[j] is None else flat[start : start + len(tokens[j])])
+            start += len(tokens[j])
+        return tokens, entries
+
+    def _propose(self, states: list[CachedRequestState]) -> list[list[int]]:
+        """Drafts for the next step of each request that sampled now; none at all when the
+        step's batch reaches `disable_by_batch_size` (compute-bound: verification would cost
+        more than it saves). Drafts are optional: a proposer that fails costs the step its
+        drafts, never its tokens (they are already sampled)."""
+        limit = self.spec_config.disable_by_batch_size
+        if limit is not None and len(self.requests) >= limit:
+            return [[] for _ in states]
+        try:
+            if isinstance(self.proposer, NgramProposer):
+                return [self.proposer.propose(self.token_ids_cpu[s.row, : s.num_tokens])
+                        for s in states]  # fmt: skip
+            return self.proposer.propose(states)
+        except Exception:
+            logger.exception("the %s proposer failed: no drafts this step", self.spec_config.method)
+            return [[] for _ in states]
 
     def _compute_prompt_logprobs(
         self, scheduler_output: SchedulerOutput, req_ids: list[str], hidden_states: torch.Tensor

@@ -37,9 +37,11 @@ class CachedRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
-    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step, drafts included
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished since the last step: the runner drops their state
+    # req_id -> draft tokens [s] to verify, the last s of its scheduled tokens (none: absent)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -55,11 +57,15 @@ class LogprobsEntry:
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # [num_reqs] in the order of the step's batch
-    sampled_token_ids: list[list[int]]  # [num_reqs][0 or 1]: empty while a prefill is partial
-    logprobs: list[LogprobsEntry | None]  # [num_reqs]
+    # [num_reqs][0 .. 1 + s]: empty while a prefill is partial; with s drafts scheduled, the
+    # accepted ones and one more token (the target's at the first rejection, or a bonus)
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[LogprobsEntry]]  # [num_reqs][one per sampled token, or none if not asked]
     # req_id -> one entry per prompt position 1..P-1 ([P - 1]), for the requests asking for
     # prompt logprobs whose prompt was completed by this step; empty for all others
     prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
+    # [num_reqs][k or fewer] draft tokens proposed for the next step; empty without speculation
+    spec_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -138,3 +144,9 @@ class EngineStats:
     num_preemptions: int  # since start
     prefix_cache_queries: int  # tokens looked up, since start
     prefix_cache_hits: int  # tokens found, since start
+    # Speculative decoding, since start (vLLM's `SpecDecodingStats`): verification rounds,
+    # draft tokens verified, of those accepted, and accepted per draft position [k].
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)

@@ -282,6 +282,8 @@ class Request:
         self.num_preemptions = 0
         # Chained hashes (`kv_cache.BlockHash`) of the full blocks of all_token_ids.
         self.block_hashes: list[bytes] = []
+        # Draft tokens proposed after the last step, verified in the next (speculative decoding).
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

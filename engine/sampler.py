@@ -248,8 +248,17 @@ class Sampler(torch.nn.Module):
         greedy = None if metadata.all_random else argmax_rows(logits)
         if metadata.all_greedy:
             return greedy
+        sampled = random_sample(self.compute_probs(logits, metadata), metadata.generators)
+        if greedy is None:
+            return sampled
+        return torch.where(metadata.temperature < _SAMPLING_EPS, greedy, sampled)
+
+    @staticmethod
+    def compute_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """[B, V] float32: the distribution random rows draw from (temperature, min_p, top_k,
+        top_p applied to processed logits). Not all greedy; greedy rows get their softmax."""
         temperature = metadata.temperature
-        if greedy is not None:
+        if not metadata.all_random:
             # Greedy rows divide by 1 so the random branch stays finite; their argmax is kept.
             temperature = temperature.masked_fill(temperature < _SAMPLING_EPS, 1.0)
         logits = logits / temperature.unsqueeze(1)
@@ -259,10 +268,7 @@ class Sampler(torch.nn.Module):
             logits = apply_top_k(logits, metadata.top_k)
         if metadata.top_p is not None:
             logits = apply_top_p(logits, metadata.top_p)
-        sampled = random_sample(logits.softmax(dim=-1), metadata.generators)
-        if greedy is None:
-            return sampled
-        return torch.where(metadata.temperature < _SAMPLING_EPS, greedy, sampled)
+        return logits.softmax(dim=-1)
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -3,6 +3,12 @@
 There are no prefill and decode phases: each request has `num_computed_tokens` and
 `num_tokens`, and a step gives each request some of the tokens it lacks. That one rule gives
 continuous batching, chunked prefill mixed with decodes, and recompute after preemption.
+
+Speculative decoding adds no phase either: a running request's draft tokens
+(`spec_token_ids`) are more tokens it lacks, scheduled within the budget like any other.
+After the step, the drafts the target rejected are taken back from `num_computed_tokens`:
+their slots are overwritten later, and as blocks are cached only up to the request's known
+tokens (`KVCacheManager.allocate_slots`), a draft never reaches the prefix cache.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self.num_preemptions = 0
+        k = scheduler_config.num_speculative_tokens
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * k
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. The caller validated it; ids must be unique among live requests."""
@@ -67,13 +76,16 @@ class Scheduler:
         new_reqs: list[Request] = []
         resumed_reqs: list[Request] = []
         new_block_ids: dict[str, list[int]] = {}
+        spec_tokens: dict[str, list[int]] = {}
 
-        # Running requests first: each gets the tokens it lacks, chunked by the budget.
+        # Running requests first: each gets the tokens it lacks (its drafts too), chunked by
+        # the budget.
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
             num_new_tokens = self._clip(
-                request.num_tokens - request.num_computed_tokens, token_budget
+                request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens,
+                token_budget,
             )
             if num_new_tokens == 0 or (
                 request_ids is not None and request.request_id not in request_ids
@@ -81,7 +93,9 @@ class Scheduler:
                 req_index += 1
                 continue
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self._lookahead(request)
+                )
                 if new_blocks is not None:
                     break
                 victim = self.running.pop()
@@ -93,6 +107,9 @@ class Scheduler:
                 break
             num_scheduled_tokens[request.request_id] = num_new_tokens
             new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            num_spec = request.num_computed_tokens + num_new_tokens - request.num_tokens
+            if num_spec > 0:
+                spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
             token_budget -= num_new_tokens
             req_index += 1
 
@@ -109,7 +126,7 @@ class Scheduler:
                 request.num_tokens - request.num_computed_tokens - num_hit_tokens, token_budget
             )
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, computed_blocks
+                request, num_new_tokens, computed_blocks, self._lookahead(request)
             )
             if new_blocks is None:
                 break
@@ -128,6 +145,7 @@ class Scheduler:
             self.waiting.remove(request)  # the first ones, unless some were held aside
 
         output = self._make_output(num_scheduled_tokens, new_reqs, resumed_reqs, new_block_ids)
+        output.scheduled_spec_decode_tokens = spec_tokens
         # Counters advance now: the next schedule() sees this step's tokens as computed.
         for req_id, num_tokens in num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
@@ -141,11 +159,18 @@ class Scheduler:
             num_new_tokens = threshold
         return min(num_new_tokens, token_budget)
 
+    def _lookahead(self, request: Request) -> int:
+        """KV slots reserved past the step's tokens for the draft model's drafts, within
+        max_model_len (a draft is never proposed past it)."""
+        room = self.config.max_model_len - request.num_tokens
+        return max(0, min(self.config.num_lookahead_tokens, room))
+
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV, back to the head of the waiting queue."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # waiting requests carry no drafts
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -168,6 +193,7 @@ class Scheduler:
                 request.status, request.num_cached_tokens = RequestStatus.WAITING, -1
             else:
                 request.status = RequestStatus.PREEMPTED
+            request.spec_token_ids = []
             self.waiting.appendleft(request)
 
     def _make_output(
@@ -209,8 +235,10 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, apply token-level stops, free finished requests."""
+        """Append sampled tokens, take back rejected drafts, apply token-level stops to each
+        new token in turn, keep the next drafts, free finished requests."""
         outputs = []
+        scheduled_spec = scheduler_output.scheduled_spec_decode_tokens
         for i, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             new_token_ids = runner_output.sampled_token_ids[i]
@@ -218,14 +246,24 @@ class Scheduler:
                 # Aborted during the step, or a prefill chunk that samples nothing (prompt
                 # logprobs come with the first token: the step that completes the prompt).
                 continue
-            request.append_output_token_ids(new_token_ids)
-            self._check_stop(request)
-            logprobs = runner_output.logprobs[i]
+            if req_id in scheduled_spec:
+                num_draft_tokens = len(scheduled_spec[req_id])
+                request.num_computed_tokens -= num_draft_tokens + 1 - len(new_token_ids)
+                self._record_acceptance(num_draft_tokens, len(new_token_ids) - 1)
+            for num_new, token_id in enumerate(new_token_ids, start=1):
+                request.append_output_token_ids([token_id])
+                self._check_stop(request)
+                if request.is_finished():  # tokens past a stop are dropped
+                    new_token_ids = new_token_ids[:num_new]
+                    break
+            if runner_output.spec_token_ids and not request.is_finished():
+                drafts = runner_output.spec_token_ids[i]
+                request.spec_token_ids = drafts[: self._max_drafts(request)]
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
                     new_token_ids=new_token_ids,
-                    new_logprobs=[logprobs] if logprobs is not None else [],
+                    new_logprobs=runner_output.logprobs[i][: len(new_token_ids)],
                     prompt_logprobs=runner_output.prompt_logprobs.get(req_id),
                     finish_reason=request.get_finished_reason(),
                     stop_reason=request.stop_reason,
@@ -235,6 +273,22 @@ class Scheduler:
             if request.is_finished():
                 self._free_request(request)
         return outputs
+
+    def _record_acceptance(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+
+    def _max_drafts(self, request: Request) -> int:
+        """Drafts worth verifying: a step adds the accepted ones plus one token, so at most
+        one less than the tokens `max_tokens` and max_model_len leave."""
+        room = self.config.max_model_len - request.num_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens)
+        return max(0, room - 1)
 
     def _check_stop(self, request: Request) -> None:
         params = request.sampling_params
@@ -296,4 +350,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            spec_decode_num_drafts=self.num_drafts,
+            spec_decode_num_draft_tokens=self.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
         )

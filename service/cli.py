@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from service.settings import Settings
+
+
+def speculative_config(raw: str) -> dict[str, Any]:
+    """`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`: a JSON
+    object, checked by the engine at startup."""
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError(raw)
+    return value
+
 
 ENGINE_OPTIONS = {
     "device": str,
@@ -28,6 +39,7 @@ ENGINE_OPTIONS = {
     "max_model_len": int,
     "num_kv_blocks": int,
     "kv_cache_memory_bytes": int,
+    "speculative_config": speculative_config,
 }
 
 

@@ -112,3 +112,12 @@ class Heartbeat:
             max(0, stats.prefix_cache_queries - prev.prefix_cache_queries)
         )
         metrics.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - prev.prefix_cache_hits))
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            field = "spec_decode_" + name
+            getattr(metrics, field).inc(max(0, getattr(stats, field) - getattr(prev, field)))
+        prev_per_pos = prev.spec_decode_num_accepted_tokens_per_pos
+        for pos, num in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            num_before = prev_per_pos[pos] if pos < len(prev_per_pos) else 0
+            metrics.spec_decode_num_accepted_tokens_per_pos.labels(str(pos)).inc(
+                max(0, num - num_before)
+            )

@@ -51,6 +51,23 @@ prefix_cache_queries = Counter(
 prefix_cache_hits = Counter(
     "kvrail:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=REGISTRY
 )
+# Speculative decoding (vLLM's `spec_decode_*`): the acceptance rate at draft position i is
+# num_accepted_tokens_per_pos{position="i"} / num_drafts.
+spec_decode_num_drafts = Counter(
+    "kvrail:spec_decode_num_drafts", "Verification rounds with drafts.", registry=REGISTRY
+)
+spec_decode_num_draft_tokens = Counter(
+    "kvrail:spec_decode_num_draft_tokens", "Draft tokens verified.", registry=REGISTRY
+)
+spec_decode_num_accepted_tokens = Counter(
+    "kvrail:spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=REGISTRY
+)
+spec_decode_num_accepted_tokens_per_pos = Counter(
+    "kvrail:spec_decode_num_accepted_tokens_per_pos",
+    "Draft tokens accepted, by position in the draft (0-based).",
+    ["position"],
+    registry=REGISTRY,
+)
 time_to_first_token_seconds = Histogram(
     "kvrail:time_to_first_token_seconds",
     "From the request's XADD to its first token chunk.",

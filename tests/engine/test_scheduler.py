@@ -41,7 +41,7 @@ def fake_runner(sched: Scheduler, out: SchedulerOutput, token_id: int = 7) -> Mo
     for req_id in req_ids:
         request = sched.requests[req_id]
         sampled.append([token_id] if request.num_computed_tokens == request.num_tokens else [])
-    return ModelRunnerOutput(req_ids, sampled, [None] * len(req_ids))
+    return ModelRunnerOutput(req_ids, sampled, [[] for _ in req_ids])
 
 
 def preempted(sched: Scheduler) -> set[str]:

@@ -135,7 +135,9 @@ def run_model_steps(
     return [torch.cat(chunks) for chunks in logits]
 
 
-def make_chain_model(path: Path, arch: str, seed: int = 0, layer_scale: float = 0.01) -> Path:
+def make_chain_model(
+    path: Path, arch: str, seed: int = 0, layer_scale: float = 0.01, cycle_length: int = 0
+) -> Path:
     """A tiny model whose greedy choices have wide margins, for comparing quantized runs.
 
     Random models put the top two of 49152 logits within a few percent of each other, and
@@ -147,11 +149,19 @@ def make_chain_model(path: Path, arch: str, seed: int = 0, layer_scale: float = 
     every other row's, so the next token is perm^-1(current) by a wide margin, while every
     layer still moves the logits (by about `layer_scale`; 0.03 already lets context override
     the chain).
+
+    With `cycle_length`, the permutation is made of cycles of that many tokens, so greedy
+    text repeats itself with that period: what n-gram speculation feeds on.
     """
     make_tiny_model(path, arch, seed=seed, tie_word_embeddings=False)
     weights = load_file(path / "model.safetensors")
     embed = weights["model.embed_tokens.weight"]
     perm = torch.randperm(embed.shape[0], generator=torch.Generator().manual_seed(seed))
+    if cycle_length:
+        # Each run of `cycle_length` shuffled tokens maps to its next, the last to the first.
+        cycles = perm[: len(perm) // cycle_length * cycle_length].view(-1, cycle_length)
+        perm = perm.clone()
+        perm[cycles] = cycles.roll(1, dims=1)
     weights["lm_head.weight"] = embed[perm].contiguous()
     for name in weights:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
