@@ -225,6 +225,7 @@ def test_parse_range_and_verdict():
         "latency",
         "quality",
         "compile_layer",
+        "spec_decode",
     ],
 )
 def test_help_exits_zero(script):
