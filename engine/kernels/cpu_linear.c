@@ -480,7 +480,8 @@ static void dot_tile_bf16_dispatch(const uint16_t *x, int64_t stride_x,
  * vector is loaded once for all mr rows. The portable loop below did one dot product per
  * (row, column), so a multi-row step (a speculative verify step: 1 + k rows) cost nearly mr
  * single-row ones: 2 AVX2 cores, SmolLM2-135M's linear layers in fp32
- * (`benchmarks.linear_kernels`), M = 4 took 2.19x and M = 8 3.52x the time of M = 1. */
+ * (`benchmarks.linear_kernels`), M = 4 took 2.19x and M = 8 3.52x the time of M = 1; with
+ * this tile 1.31x and 2.13x (M = 5: 1.50x; `results/linear_kernels-avx2-f32tile.md`). */
 static inline __attribute__((always_inline)) void dot_tile_f32_avx2(const float *x,
                                                                     int64_t stride_x,
                                                                     const float *const *w_rows,
