@@ -43,10 +43,19 @@ def reference(model_dir):
 
 @contextlib.asynccontextmanager
 async def serving(engine, redis_url, name="w1", grace_s=5.0, **kwargs):
-    """Run a Worker for the duration of the block; on exit stop it and check the KV pool."""
+    """Run a Worker for the duration of the block, from its first heartbeat on (before it
+    the API answers "no worker": a race that failed a test on a slow machine); on exit stop
+    it and check the KV pool."""
     worker = Worker(engine, redis_url, name, read_block_ms=200, **kwargs)
     task = asyncio.create_task(worker.run())
     try:
+        r = streams.connect(redis_url)
+        deadline = time.monotonic() + 10
+        while not (task.done() or await r.exists(keys.worker(name))):
+            if time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.01)
+        await r.aclose()
         yield worker
     finally:
         worker.stop(grace_s)
