@@ -584,21 +584,20 @@ class ModelRunner:
             for s, d in zip(states, drafts, strict=True)
             for j in range(len(d) + 1)
         ]
-        # Rows are requests when there are no drafts: the sampler draws with their generators.
-        generators = {}
-        if not any(drafts):
-            generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        has_drafts = any(drafts)
+        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
         metadata = SamplingMetadata.build(
             params=[s.sampling_params for s in row_states],
             prompt_token_ids=[s.prompt_token_ids for s in row_states],
             output_token_ids=row_outputs,
-            generators=generators,
+            # Rows are requests without drafts: the sampler draws with their generators.
+            generators={} if has_drafts else generators,
             vocab_size=self.vocab_size,
             eos_token_ids=[self.eos_token_id] * len(row_states),
             device=self.device,
         )
         num_logprobs = [s.sampling_params.logprobs for s in states]
-        if not any(drafts):
+        if not has_drafts:
             out = self.sampler(logits, metadata)
             tokens = [[t] for t in out.sampled_token_ids.tolist()]
             if out.logprobs is None:
@@ -613,7 +612,7 @@ class ModelRunner:
             if metadata.all_greedy
             else self.sampler.compute_probs(processed, metadata),
             is_greedy=[s.sampling_params.is_greedy for s in states],
-            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            generators=generators,
         )
         if metadata.max_num_logprobs is None:
             return tokens, [[] for _ in states]
