@@ -72,6 +72,52 @@ static void quantize_row(const void *x, int dtype, int64_t K, int64_t k_padded, 
     *x_scale = amax / 127.0f;
 }
 
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+/* AVX2 has no u8 x s8 dot product that cannot saturate (vpmaddubsw saturates its int16 pair
+ * sums), so bytes are widened to int16 and multiplied by vpmaddwd, exact in int32: 16 products
+ * an instruction, 2 a cycle on Zen 3 (measured: vpmaddwd, vpmaddubsw and vfmadd231ps all run
+ * 2 a cycle), twice the fp32 FMA's rate. A tile's activations are widened once per chunk of k
+ * into `xw`, so a broadcast is one load; each weight vector (4 columns x 4 k) is widened once
+ * for all its rows. 6 rows x 2 vectors: 12 accumulators, 2 weights, an activation and a
+ * product fill the 16 registers. Measured on a 2-vCPU AVX2 EPYC
+ * (`python -m benchmarks.linear_kernels`, the 121 matmuls of a SmolLM2 pass,
+ * `results/linear_kernels-avx2-w8a8tile.md`), against the previous tile of 2 rows that widened
+ * the weights for every row pair and an activation at every broadcast: M = 64 152 -> 79 ms,
+ * M = 256 574 -> 412 ms (torch fp32 there: 153 and 578 ms), M = 1 about the same (9.2 ms). */
+#define AVX2_KCHUNK 2048 /* k per chunk of widened activations (6 rows: 24 KiB of stack) */
+/* raw[i * MAX_NT * 4 + v] += sums of row i of `xw` against weight vector v (0, 1) of `wg`,
+ * over ng groups of 4 k. */
+static inline __attribute__((always_inline)) void w8a8_half_panel_avx2(const int16_t *xw,
+                                                                       const int8_t *wg,
+                                                                       int64_t ng, int mr,
+                                                                       __m256i *raw) {
+    __m256i s0[MAX_MR], s1[MAX_MR];
+    for (int i = 0; i < mr; i++) {
+        s0[i] = raw[i * MAX_NT * 4];
+        s1[i] = raw[i * MAX_NT * 4 + 1];
+    }
+    for (int64_t g = 0; g < ng; g++) {
+        const __m256i b0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wg + g * 64)));
+        const __m256i b1 =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wg + g * 64 + 16)));
+        for (int i = 0; i < mr; i++) {
+            int64_t four;
+            memcpy(&four, xw + i * AVX2_KCHUNK + g * KGROUP, sizeof four);
+            __m256i a = _mm256_set1_epi64x(four);
+            /* keeps gcc 12 from hoisting all 6 broadcasts, which spilled 9 accumulators */
+            __asm__ volatile("" : "+x"(a));
+            s0[i] = _mm256_add_epi32(s0[i], _mm256_madd_epi16(a, b0));
+            s1[i] = _mm256_add_epi32(s1[i], _mm256_madd_epi16(a, b1));
+            __asm__ volatile("" : "+x"(s0[i]), "+x"(s1[i]));
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        raw[i * MAX_NT * 4] = s0[i];
+        raw[i * MAX_NT * 4 + 1] = s1[i];
+    }
+}
+#endif
+
 /* Integer dot products of an mr x nt tile: acc[i][j * PANEL + c] = sum_k xq[i][k] w[c][k]. */
 static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, int64_t stride_xq,
                                                             const int8_t *w, int64_t panel_bytes,
@@ -96,47 +142,34 @@ static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, i
         for (int j = 0; j < nt; j++)
             _mm512_storeu_si512((void *)(acc + (i * MAX_NT + j) * PANEL), sums[i][j]);
 #elif defined(__AVX2__)
-    /* AVX2 has no u8 x s8 dot product that cannot saturate (vpmaddubsw saturates its int16
-     * pair sums), so bytes are widened to int16 and multiplied by vpmaddwd: a panel's k
-     * group is 4 vectors of 4 columns x 4 k, each int32 lane sums 2 of a column's 4 products,
-     * and the pairs are added once, after the last group (vphaddd). Two rows at a time: 8
-     * accumulators, the 4 weight vectors and one activation vector fit in 16 registers.
-     * Measured on a 2-vCPU AVX2 EPYC (`python -m benchmarks.linear_kernels`, the 121 matmuls
-     * of a SmolLM2 pass), against the portable loop: M = 1 18.0 -> 12.2 ms, M = 8 92.7 ->
-     * 19.7 ms, M = 64 657 -> 152 ms, M = 256 2,403 -> 574 ms; torch's fp32 matmul there: 27,
-     * 55, 187, 662 ms. */
-    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
-    for (int j = 0; j < nt; j++) {
-        const int8_t *wp = w + j * panel_bytes;
-        for (int i0 = 0; i0 < mr; i0 += 2) {
-            const int rows = mr - i0 < 2 ? mr - i0 : 2;
-            __m256i sums[2][4];
-            for (int i = 0; i < rows; i++)
-                for (int q = 0; q < 4; q++) sums[i][q] = _mm256_setzero_si256();
-            for (int64_t g = 0; g < num_groups; g++) {
-                __m256i b[4];
-                for (int q = 0; q < 4; q++)
-                    b[q] = _mm256_cvtepi8_epi16(
-                        _mm_loadu_si128((const __m128i *)(wp + g * 64 + q * 16)));
-                for (int i = 0; i < rows; i++) {
-                    int32_t four;
-                    memcpy(&four, xq + (i0 + i) * stride_xq + g * KGROUP, sizeof four);
-                    const __m256i a =
-                        _mm256_broadcastq_epi64(_mm_cvtepu8_epi16(_mm_cvtsi32_si128(four)));
-                    for (int q = 0; q < 4; q++)
-                        sums[i][q] = _mm256_add_epi32(sums[i][q], _mm256_madd_epi16(a, b[q]));
-                }
-            }
-            for (int i = 0; i < rows; i++) {
-                int32_t *dst = acc + ((i0 + i) * MAX_NT + j) * PANEL;
-                for (int h = 0; h < 2; h++) {
-                    const __m256i pairs = _mm256_hadd_epi32(sums[i][2 * h], sums[i][2 * h + 1]);
-                    _mm256_storeu_si256((__m256i *)(dst + 8 * h),
-                                        _mm256_permutevar8x32_epi32(pairs, order));
-                }
-            }
-        }
+    /* Partial sums per (row, panel, quarter): quarter q holds columns 4q..4q+3, lane pairs
+     * (k 0+1, k 2+3) of each; they are added once, after the last group (vphaddd). */
+    __m256i raw[MAX_MR][MAX_NT][4];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nt; j++)
+            for (int q = 0; q < 4; q++) raw[i][j][q] = _mm256_setzero_si256();
+    int16_t xw[MAX_MR * AVX2_KCHUNK] __attribute__((aligned(32)));
+    for (int64_t g0 = 0; g0 < num_groups; g0 += AVX2_KCHUNK / KGROUP) {
+        const int64_t ng = num_groups - g0 < AVX2_KCHUNK / KGROUP ? num_groups - g0
+                                                                  : AVX2_KCHUNK / KGROUP;
+        for (int i = 0; i < mr; i++)
+            for (int64_t k = 0; k < ng * KGROUP; k += 16)
+                _mm256_store_si256((__m256i *)(xw + i * AVX2_KCHUNK + k),
+                                   _mm256_cvtepu8_epi16(_mm_loadu_si128(
+                                       (const __m128i *)(xq + i * stride_xq + g0 * KGROUP + k))));
+        for (int j = 0; j < nt; j++)
+            for (int h = 0; h < 2; h++)
+                w8a8_half_panel_avx2(xw, w + j * panel_bytes + g0 * 64 + h * 32, ng, mr,
+                                     &raw[0][j][2 * h]);
     }
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nt; j++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i pairs = _mm256_hadd_epi32(raw[i][j][2 * h], raw[i][j][2 * h + 1]);
+                _mm256_storeu_si256((__m256i *)(acc + (i * MAX_NT + j) * PANEL + 8 * h),
+                                    _mm256_permutevar8x32_epi32(pairs, order));
+            }
 #else
     for (int i = 0; i < mr; i++)
         for (int c = 0; c < nt * PANEL; c++) acc[i * MAX_NT * PANEL + c] = 0;
