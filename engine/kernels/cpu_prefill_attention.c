@@ -4,19 +4,23 @@
  * Request r's queries (rows query_start_loc[r] .. +q_len of q) sit at positions
  * seq_len - q_len .. seq_len - 1 and attend causally to its first seq_len cached tokens,
  * this step's included (the KV write runs first). Work items are (request, kv head, tile of
- * 16 queries), dealt out to threads in turn; an item keeps its group's query rows, running
- * maxima, sums and outputs in fp32 while tiles of 16 keys stream by: S = Q K^T against the
- * tile's transposed keys (one vector of 16 scores per query row, no horizontal sums), the
- * online softmax, and O += P V. The loops over the 16 keys of a tile and over head_dim are
+ * TILE queries), dealt out to threads in turn; an item keeps its group's query rows, running
+ * maxima, sums and outputs in fp32 while tiles of TILE keys stream by: S = Q K^T against the
+ * tile's transposed keys (one vector of TILE scores per query row, no horizontal sums), the
+ * online softmax, and O += P V. The loops over the keys of a tile and over head_dim are
  * written to vectorize (gcc, -O3 -march=native): AVX-512 or AVX2 alike.
  *
- * Sums are kept in several independent registers (4 over head_dim for a score, head_dim / 16
- * for an output row): one running sum per row waits on each FMA's latency (measured: 2.5x
- * slower). head_dim must be a multiple of 16, at most 256. Measured on the project's 2-vCPU
- * EPYC, 4 prompts of 128 (512) tokens, bf16, 9 query and 3 kv heads of 64: 64 (86) GFLOP/s,
- * against 39 (60) for torch's SDPA on the same prompts, unpadded. The cache holds float32,
+ * Sums are kept in several independent registers (4 over head_dim for a score, head_dim /
+ * TILE for an output row): one running sum per row waits on each FMA's latency (measured:
+ * 2.5x slower). head_dim must be a multiple of 16, at most 256. The cache holds float32,
  * bfloat16 or fp8 e4m3 with scales (k_scale folds into the query scaling, v_scale into the
  * output); q and out are float32 or bfloat16.
+ *
+ * Measured, 4 prompts of 128 (512) tokens, 9 query and 3 kv heads of 64, 2 vCPUs: on an
+ * AVX512-BF16 EPYC in bf16, 64 (86) GFLOP/s, against 39 (60) for torch's SDPA on the same
+ * prompts, unpadded; on an AVX2 EPYC in fp32, 42 (51) GFLOP/s with tiles of 8 against 8.5
+ * (10.8) with tiles of 16 (below), and a speculative verify step (5 queries over 400 cached
+ * tokens) 541 -> 220 us a layer.
  */
 #include <float.h>
 #include <math.h>
@@ -24,10 +28,16 @@
 
 #include "cpu_common.h"
 
+/* Keys (and queries) per tile: one vector register of floats. With AVX2, a 16-float vector
+ * type made gcc 12 assemble every vector through the stack in 128-bit pieces (perf: most of
+ * the kernel's cycles on spills and vpinsrq), so AVX2 tiles hold 8. */
+#if defined(__AVX512F__)
 #define TILE 16
-/* 16 floats as one value: gcc keeps it in one AVX-512 register or two AVX2 ones. */
-typedef float v16 __attribute__((vector_size(64), aligned(64)));
-#define MAX_CHUNKS 16 /* head_dim <= 256 */
+#else
+#define TILE 8
+#endif
+typedef float vtile __attribute__((vector_size(TILE * 4), aligned(TILE * 4)));
+#define MAX_CHUNKS (256 / TILE) /* head_dim <= 256 */
 
 #define DEFINE_PREFILL(NAME, T, LOAD_Q, C, LOAD_C, HEAD_DIM)                                       \
 static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {       \
@@ -35,7 +45,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const C *k_cache = a->k_cache, *v_cache = a->v_cache;                                          \
     const int num_heads = (int)a->num_heads, num_kv = (int)a->num_kv_heads;                        \
     const int hd = HEAD_DIM ? HEAD_DIM : (int)a->head_dim, group = num_heads / num_kv;             \
-    const int rows = TILE * group; /* query rows of an item: 16 tokens x the group's heads */     \
+    const int rows = TILE * group; /* query rows of an item: TILE tokens x the group's heads */   \
     const int64_t stride_slot = (int64_t)num_kv * hd;                                              \
     const int bs_shift = __builtin_ctz((unsigned)a->block_size); /* 8, 16 or 32 */                 \
     const int bs_mask = (int)a->block_size - 1;                                                    \
@@ -86,14 +96,14 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                         _Pragma("omp simd")                                                        \
                         for (int d = 0; d < hd; d++) vf[j * hd + d] = LOAD_C(v + d);               \
                     }                                                                              \
-                    const v16 *ktv = (const v16 *)kt;                                              \
+                    const vtile *ktv = (const vtile *)kt;                                              \
                     for (int r = 0; r < nq * group; r++) {                                         \
                         const float *qr = qf + r * hd;                                             \
                         /* Four independent sums: one chain of FMAs would wait on each. */        \
-                        v16 s4[4] = {{0}, {0}, {0}, {0}};                                          \
+                        vtile s4[4] = {{0}, {0}, {0}, {0}};                                          \
                         for (int d = 0; d < hd; d += 4)                                            \
                             for (int u = 0; u < 4; u++) s4[u] += qr[d + u] * ktv[d + u];           \
-                        const v16 s = (s4[0] + s4[1]) + (s4[2] + s4[3]);                           \
+                        const vtile s = (s4[0] + s4[1]) + (s4[2] + s4[3]);                           \
                         /* Keys past this row's position (and past the tile's end) are out. */    \
                         const int seen = start + i0 + r / group - t0 + 1;                          \
                         const int valid = seen < nk ? seen : nk;                                   \
@@ -117,10 +127,10 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                         }                                                                          \
                         l[r] = l[r] * alpha + sum;                                                 \
                         m[r] = m_new;                                                              \
-                        v16 *orow = (v16 *)(o + r * hd);                                           \
-                        const v16 *vv = (const v16 *)vf;                                           \
+                        vtile *orow = (vtile *)(o + r * hd);                                           \
+                        const vtile *vv = (const vtile *)vf;                                           \
                         /* Key by key, all of head_dim at once: hd / 16 independent sums. */      \
-                        v16 acc[HEAD_DIM ? HEAD_DIM / TILE : MAX_CHUNKS];                          \
+                        vtile acc[HEAD_DIM ? HEAD_DIM / TILE : MAX_CHUNKS];                          \
                         for (int c = 0; c < hd / TILE; c++) acc[c] = orow[c] * alpha;              \
                         for (int j = 0; j < valid; j++)                                            \
                             for (int c = 0; c < hd / TILE; c++) acc[c] += p[j] * vv[j * (hd / TILE) + c]; \
