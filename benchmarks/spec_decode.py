@@ -174,6 +174,36 @@ class SetRun:
     # Single stream only: per task, for the per-kind breakdown.
     task_seconds: list[float] = field(default_factory=list)
     task_counters: list[dict[str, Any]] = field(default_factory=list)
+    # Single stream only: wall seconds of each engine step, by kind (`StepTimer`).
+    step_seconds: dict[str, list[float]] = field(default_factory=dict)
+
+
+class StepTimer:
+    """Times every step of an engine, split by whether it verified drafts (the engine's draft
+    counter moved) or not ("plain": prompts and decode steps without drafts): what a verify
+    step costs against a decode step, the figure the speedup turns on."""
+
+    KINDS = ("plain", "verify")
+
+    def __init__(self, llm: Any) -> None:
+        self.engine = llm.llm_engine
+        self.step = self.engine.step
+        self.engine.step = self
+        self.seconds: dict[str, list[float]] = {kind: [] for kind in self.KINDS}
+
+    def __call__(self) -> Any:
+        drafts = self.engine.get_stats().spec_decode_num_drafts
+        start = time.perf_counter()
+        outputs = self.step()
+        elapsed = time.perf_counter() - start
+        verified = self.engine.get_stats().spec_decode_num_drafts > drafts
+        self.seconds[self.KINDS[verified]].append(elapsed)
+        return outputs
+
+    def take(self) -> dict[str, list[float]]:
+        """The steps timed since the last call."""
+        taken, self.seconds = self.seconds, {kind: [] for kind in self.KINDS}
+        return taken
 
 
 def read_counters(llm: Any) -> dict[str, Any]:
@@ -198,6 +228,8 @@ def counter_sum(deltas: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def run_single_stream(llm: Any, tasks: Sequence[Task], progress: tqdm) -> SetRun:
     """One request at a time, each after the previous has finished."""
     token_ids, task_seconds, task_counters = [], [], []
+    timer = llm.step_timer
+    timer.take()
     for task in tasks:
         before = read_counters(llm)
         start = time.perf_counter()
@@ -207,7 +239,7 @@ def run_single_stream(llm: Any, tasks: Sequence[Task], progress: tqdm) -> SetRun
         token_ids.append(list(output.outputs[0].token_ids))
         progress.update(1)
     counters = counter_sum(task_counters)
-    return SetRun(sum(task_seconds), token_ids, counters, task_seconds, task_counters)
+    return SetRun(sum(task_seconds), token_ids, counters, task_seconds, task_counters, timer.take())
 
 
 def run_batch(llm: Any, tasks: Sequence[Task], progress: tqdm) -> SetRun:
@@ -249,6 +281,7 @@ def build_engine(args: argparse.Namespace, dtype: str, spec_config: dict | None)
     )
     # One-off costs (allocation, kernels) paid here, on a prompt no measured one shares.
     llm.generate([WARM_UP_IDS], Task("warm-up", "-", WARM_UP_IDS, 16).sampling_params())
+    llm.step_timer = StepTimer(llm)
     return llm
 
 
@@ -296,6 +329,20 @@ def speed_summary(runs: dict[str, list[SetRun]]) -> dict[str, dict[str, Any]]:
             "ratio_per_round": [a / b for a, b in zip(rates, base, strict=True)],
         }
         summary[name]["ratio"] = statistics.median(summary[name]["ratio_per_round"])
+    return summary
+
+
+def step_summary(runs: dict[str, list[SetRun]]) -> dict[str, dict[str, Any]]:
+    """Per system, over all rounds: count and median wall ms of plain and verify steps."""
+    summary = {}
+    for name, system_runs in runs.items():
+        summary[name] = {}
+        for kind in StepTimer.KINDS:
+            seconds = [t for r in system_runs for t in r.step_seconds[kind]]
+            summary[name][kind] = {
+                "steps": len(seconds),
+                "median_ms": 1e3 * statistics.median(seconds) if seconds else None,
+            }
     return summary
 
 
@@ -444,6 +491,26 @@ ACCEPTANCE_HEADERS = [
 ]
 
 
+def step_rows(steps: dict[str, dict[str, dict[str, dict[str, Any]]]]) -> list[list[str]]:
+    rows = []
+    for set_name, systems in steps.items():
+        base_plain = systems["base"]["plain"]["median_ms"]
+        for name, s in systems.items():
+            plain, verify = s["plain"], s["verify"]
+            rows.append(
+                [
+                    set_name,
+                    name,
+                    str(plain["steps"]),
+                    fmt(plain["median_ms"], 1),
+                    str(verify["steps"]),
+                    fmt(verify["median_ms"], 1),
+                    ratio_cell(verify["median_ms"] / base_plain) if verify["steps"] else "-",
+                ]
+            )
+    return rows
+
+
 def agreement_rows(
     agreements: dict[str, dict[str, dict[str, dict[str, Any]]]],
 ) -> list[list[str]]:
@@ -510,6 +577,25 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> str:
             ],
         ),
         "",
+        "## Step times (single stream)",
+        "",
+        "Wall time of each engine step, medians over every round. Plain steps verify no drafts"
+        " (prompts, and decode steps where the proposer found nothing); verify steps score a"
+        " request's drafts and one more token.",
+        "",
+        markdown_table(
+            [
+                "set",
+                "system",
+                "plain steps",
+                "plain ms",
+                "verify steps",
+                "verify ms",
+                "verify / base plain",
+            ],
+            step_rows(results["steps"]),
+        ),
+        "",
         "## Per kind of task (single stream)",
         "",
         markdown_table(
@@ -556,6 +642,7 @@ def main(argv: list[str] | None = None) -> int:
         "sets": {name: len(tasks) for name, tasks in sets.items()},
         "speed": {s: speed_summary(r) for s, r in runs.items()},
         "acceptance": {s: acceptance_summary(r, systems) for s, r in runs.items()},
+        "steps": {s: step_summary(runs[s]) for s in SINGLE_STREAM_SETS},
         "per_kind": {
             **per_kind_summary(runs["grounded"], sets["grounded"], systems),
             **per_kind_summary(runs["free-form"], sets["free-form"], systems),

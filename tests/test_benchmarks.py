@@ -226,6 +226,7 @@ def test_parse_range_and_verdict():
         "quality",
         "compile_layer",
         "spec_decode",
+        "attention_kernels",
     ],
 )
 def test_help_exits_zero(script):

@@ -447,9 +447,15 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
 }
 
 /* Float linear for small M over plain [N, K] weights (row stride K): a dot product per
- * output along k, 4 x 4 tiles. silu_mul: W holds [gate; up] (2 N rows), out[m][n] =
- * silu(x.gate_n) * (x.up_n). */
-#define DOT_TILE 4
+ * output along k, tiles of up to MAX_DOT_ROWS rows x 4 columns. silu_mul: W holds [gate; up]
+ * (2 N rows), out[m][n] = silu(x.gate_n) * (x.up_n). */
+#define DOT_TILE 4 /* columns of a tile; rows too, but for fp32 on AVX2 */
+#if defined(__AVX2__) && defined(__FMA__)
+#define F32_DOT_ROWS 6 /* dot_tile_f32_avx2: 6 rows x 2 columns of accumulators */
+#else
+#define F32_DOT_ROWS DOT_TILE
+#endif
+#define MAX_DOT_ROWS F32_DOT_ROWS
 
 static inline float dot_generic_f32(const float *a, const float *b, int64_t K) {
     float s = 0.0f;
@@ -522,7 +528,7 @@ static inline __attribute__((always_inline)) void dot_tile_f32_avx2(const float 
                                                                     float *sums) {
     for (int j0 = 0; j0 < nr; j0 += 2) {
         const int nj = nr - j0 < 2 ? nr - j0 : 2;
-        __m256 acc[DOT_TILE][2];
+        __m256 acc[F32_DOT_ROWS][2];
         for (int i = 0; i < mr; i++)
             for (int j = 0; j < nj; j++) acc[i][j] = _mm256_setzero_ps();
         int64_t k = 0;
@@ -533,7 +539,9 @@ static inline __attribute__((always_inline)) void dot_tile_f32_avx2(const float 
                 b[j] = _mm256_loadu_ps(w_rows[j0 + j] + k);
             }
             for (int i = 0; i < mr; i++) {
-                const __m256 a = _mm256_loadu_ps(x + i * stride_x + k);
+                __m256 a = _mm256_loadu_ps(x + i * stride_x + k);
+                /* keeps gcc 12 from loading every row's x up front (16 registers) */
+                __asm__ volatile("" : "+x"(a));
                 for (int j = 0; j < nj; j++) acc[i][j] = _mm256_fmadd_ps(a, b[j], acc[i][j]);
             }
         }
@@ -556,7 +564,9 @@ static inline __attribute__((always_inline)) void dot_tile_f32_avx2(const float 
 
 static void dot_tile_f32_dispatch(const float *x, int64_t stride_x, const float *const *w_rows,
                                   int mr, int nr, int64_t K, float *sums) {
-    switch (mr * 8 + nr) { F32_TILES(1) F32_TILES(2) F32_TILES(3) F32_TILES(4) }
+    switch (mr * 8 + nr) {
+        F32_TILES(1) F32_TILES(2) F32_TILES(3) F32_TILES(4) F32_TILES(5) F32_TILES(6)
+    }
 }
 #endif
 
@@ -600,6 +610,15 @@ void kvrail_linear_float(const struct kvrail_float_linear_args *a, int tid, int 
     const int64_t esize = dtype_size(a->dtype);
     int64_t begin, end;
     thread_range(N, DOT_TILE, tid, num_threads, &begin, &end);
+    /* Rows in tiles as even as the row limit allows: a 1-row remainder tile has too few
+     * accumulators to hide the FMA latency. fp32 on a 2-vCPU AVX2 EPYC, the 121 linears of a
+     * SmolLM2 pass (`python -m benchmarks.linear_kernels`,
+     * `results/linear_kernels-avx2-f32rows.md`), tiles of at most 4 rows -> at most 6, even:
+     * M = 5 (a speculative verify step of k = 4) 42.4 -> 22.8 ms, M = 7 50.2 -> 31.6 ms,
+     * M = 4 21.6 -> 19.8 ms, M = 1 16.5 -> 15.6 ms. */
+    const int max_rows = a->dtype == KVRAIL_F32 ? F32_DOT_ROWS : DOT_TILE;
+    const int num_tiles = (int)((M + max_rows - 1) / max_rows);
+    const int tile_rows = num_tiles ? (int)((M + num_tiles - 1) / num_tiles) : 1;
     for (int64_t n0 = begin; n0 < end; n0 += DOT_TILE) {
         const int nr = end - n0 < DOT_TILE ? (int)(end - n0) : DOT_TILE;
         const void *gate_rows[DOT_TILE], *up_rows[DOT_TILE];
@@ -607,10 +626,10 @@ void kvrail_linear_float(const struct kvrail_float_linear_args *a, int tid, int 
             gate_rows[j] = (const char *)a->w + (n0 + j) * K * esize;
             up_rows[j] = (const char *)a->w + (N + n0 + j) * K * esize;
         }
-        for (int64_t m0 = 0; m0 < M; m0 += DOT_TILE) {
-            const int mr = M - m0 < DOT_TILE ? (int)(M - m0) : DOT_TILE;
+        for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
+            const int mr = M - m0 < tile_rows ? (int)(M - m0) : tile_rows;
             const void *xm = (const char *)a->x + m0 * a->stride_x * esize;
-            float sums[DOT_TILE * DOT_TILE], ups[DOT_TILE * DOT_TILE];
+            float sums[MAX_DOT_ROWS * DOT_TILE], ups[MAX_DOT_ROWS * DOT_TILE];
             dot_tile(xm, (int)a->dtype, a->stride_x, gate_rows, mr, nr, K, sums);
             if (a->silu_mul) dot_tile(xm, (int)a->dtype, a->stride_x, up_rows, mr, nr, K, ups);
             for (int i = 0; i < mr; i++)

@@ -18,9 +18,11 @@
  *
  * Measured, 4 prompts of 128 (512) tokens, 9 query and 3 kv heads of 64, 2 vCPUs: on an
  * AVX512-BF16 EPYC in bf16, 64 (86) GFLOP/s, against 39 (60) for torch's SDPA on the same
- * prompts, unpadded; on an AVX2 EPYC in fp32, 42 (51) GFLOP/s with tiles of 8 against 8.5
- * (10.8) with tiles of 16 (below), and a speculative verify step (5 queries over 400 cached
- * tokens) 541 -> 220 us a layer.
+ * prompts, unpadded. On an AVX2 EPYC in fp32 (`python -m benchmarks.attention_kernels`,
+ * `results/attention_kernels-avx2.md`), tiles of 8 against tiles of 16 (below): prompts 36.8
+ * (42.8) GFLOP/s against 8.2 (9.9), a speculative verify step of 5 (8) queries over 400
+ * cached tokens 190 (265) us a layer against 700 (1,069); the decode kernel takes 99 us for
+ * one query there.
  */
 #include <float.h>
 #include <math.h>

@@ -62,12 +62,14 @@ def test_loading_the_library_leaves_subnormals_alone(tmp_path, monkeypatch):
 # Linear layers ------------------------------------------------------------------------------
 
 # M = 1, 7, 64, 300 (the sizes: register-tile remainders of 6 rows and 4 panels);
-# N and K off every tile size; with and without bias and the fused SiLU-and-multiply.
+# N and K off every tile size; with and without bias and the fused SiLU-and-multiply; the
+# last K spans two chunks of the AVX2 W8A8 tile's widened activations (2048 k each).
 LINEAR_CASES = [
     (1, 40, 36, False, True),
     (7, 34, 20, True, False),
     (64, 96, 72, False, False),
     (300, 50, 100, True, True),
+    (9, 20, 2100, False, True),
 ]
 
 
