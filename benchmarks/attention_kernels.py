@@ -16,6 +16,7 @@ prompts, cold, took 2-5x longer on a 2-vCPU AVX2 EPYC).
 from __future__ import annotations
 
 import argparse
+import itertools
 import platform
 import statistics
 import time
@@ -64,9 +65,7 @@ def make_case(
         block_table[r, :n] = table[start : start + n]
         start += n
     num_tokens = sum(q_lens)
-    starts = [0]
-    for n in q_lens:
-        starts.append(starts[-1] + n)
+    starts = [0, *itertools.accumulate(q_lens)]
     return dict(
         q=torch.randn(num_tokens, num_heads, head_dim).to(dtype),
         k_cache=torch.randn(cache_shape).to(dtype),

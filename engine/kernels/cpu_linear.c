@@ -82,7 +82,8 @@ static void quantize_row(const void *x, int dtype, int64_t K, int64_t k_padded, 
  * product fill the 16 registers. Measured on a 2-vCPU AVX2 EPYC
  * (`python -m benchmarks.linear_kernels`, the 121 matmuls of a SmolLM2 pass,
  * `results/linear_kernels-avx2-w8a8tile.md`), against the previous tile of 2 rows that widened
- * the weights for every row pair and an activation at every broadcast: M = 64 152 -> 79 ms,
+ * the weights for every row pair and an activation at every broadcast
+ * (`results/linear_kernels-avx2.md`, the same machine kind): M = 64 152 -> 79 ms,
  * M = 256 574 -> 412 ms (torch fp32 there: 153 and 578 ms), M = 1 about the same (9.2 ms). */
 #define AVX2_KCHUNK 2048 /* k per chunk of widened activations (6 rows: 24 KiB of stack) */
 /* raw[i * MAX_NT * 4 + v] += sums of row i of `xw` against weight vector v (0, 1) of `wg`,
@@ -447,7 +448,7 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
 }
 
 /* Float linear for small M over plain [N, K] weights (row stride K): a dot product per
- * output along k, tiles of up to MAX_DOT_ROWS rows x 4 columns. silu_mul: W holds [gate; up]
+ * output along k, tiles of up to F32_DOT_ROWS rows x 4 columns. silu_mul: W holds [gate; up]
  * (2 N rows), out[m][n] = silu(x.gate_n) * (x.up_n). */
 #define DOT_TILE 4 /* columns of a tile; rows too, but for fp32 on AVX2 */
 #if defined(__AVX2__) && defined(__FMA__)
@@ -455,7 +456,6 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
 #else
 #define F32_DOT_ROWS DOT_TILE
 #endif
-#define MAX_DOT_ROWS F32_DOT_ROWS
 
 static inline float dot_generic_f32(const float *a, const float *b, int64_t K) {
     float s = 0.0f;
@@ -629,7 +629,7 @@ void kvrail_linear_float(const struct kvrail_float_linear_args *a, int tid, int 
         for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
             const int mr = M - m0 < tile_rows ? (int)(M - m0) : tile_rows;
             const void *xm = (const char *)a->x + m0 * a->stride_x * esize;
-            float sums[MAX_DOT_ROWS * DOT_TILE], ups[MAX_DOT_ROWS * DOT_TILE];
+            float sums[F32_DOT_ROWS * DOT_TILE], ups[F32_DOT_ROWS * DOT_TILE]; /* the most rows */
             dot_tile(xm, (int)a->dtype, a->stride_x, gate_rows, mr, nr, K, sums);
             if (a->silu_mul) dot_tile(xm, (int)a->dtype, a->stride_x, up_rows, mr, nr, K, ups);
             for (int i = 0; i < mr; i++)

@@ -47,7 +47,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const C *k_cache = a->k_cache, *v_cache = a->v_cache;                                          \
     const int num_heads = (int)a->num_heads, num_kv = (int)a->num_kv_heads;                        \
     const int hd = HEAD_DIM ? HEAD_DIM : (int)a->head_dim, group = num_heads / num_kv;             \
-    const int rows = TILE * group; /* query rows of an item: TILE tokens x the group's heads */   \
+    const int rows = TILE * group; /* query rows of an item: TILE tokens x the group's heads */    \
     const int64_t stride_slot = (int64_t)num_kv * hd;                                              \
     const int bs_shift = __builtin_ctz((unsigned)a->block_size); /* 8, 16 or 32 */                 \
     const int bs_mask = (int)a->block_size - 1;                                                    \
@@ -98,14 +98,14 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                         _Pragma("omp simd")                                                        \
                         for (int d = 0; d < hd; d++) vf[j * hd + d] = LOAD_C(v + d);               \
                     }                                                                              \
-                    const vtile *ktv = (const vtile *)kt;                                              \
+                    const vtile *ktv = (const vtile *)kt;                                          \
                     for (int r = 0; r < nq * group; r++) {                                         \
                         const float *qr = qf + r * hd;                                             \
                         /* Four independent sums: one chain of FMAs would wait on each. */        \
-                        vtile s4[4] = {{0}, {0}, {0}, {0}};                                          \
+                        vtile s4[4] = {{0}, {0}, {0}, {0}};                                        \
                         for (int d = 0; d < hd; d += 4)                                            \
                             for (int u = 0; u < 4; u++) s4[u] += qr[d + u] * ktv[d + u];           \
-                        const vtile s = (s4[0] + s4[1]) + (s4[2] + s4[3]);                           \
+                        const vtile s = (s4[0] + s4[1]) + (s4[2] + s4[3]);                         \
                         /* Keys past this row's position (and past the tile's end) are out. */    \
                         const int seen = start + i0 + r / group - t0 + 1;                          \
                         const int valid = seen < nk ? seen : nk;                                   \
@@ -129,10 +129,10 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                         }                                                                          \
                         l[r] = l[r] * alpha + sum;                                                 \
                         m[r] = m_new;                                                              \
-                        vtile *orow = (vtile *)(o + r * hd);                                           \
-                        const vtile *vv = (const vtile *)vf;                                           \
-                        /* Key by key, all of head_dim at once: hd / 16 independent sums. */      \
-                        vtile acc[HEAD_DIM ? HEAD_DIM / TILE : MAX_CHUNKS];                          \
+                        vtile *orow = (vtile *)(o + r * hd);                                       \
+                        const vtile *vv = (const vtile *)vf;                                       \
+                        /* Key by key, all of head_dim at once: hd / TILE independent sums. */    \
+                        vtile acc[HEAD_DIM ? HEAD_DIM / TILE : MAX_CHUNKS];                        \
                         for (int c = 0; c < hd / TILE; c++) acc[c] = orow[c] * alpha;              \
                         for (int j = 0; j < valid; j++)                                            \
                             for (int c = 0; c < hd / TILE; c++) acc[c] += p[j] * vv[j * (hd / TILE) + c]; \
