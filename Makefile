@@ -73,3 +73,11 @@ test-reliability: $(STAMP)
 
 test-reliability-loaded: $(STAMP)
 	$(PY) -m pytest -q -m reliability tests/reliability --busy-processes 2
+
+# `make compose-check`: builds the docker-compose stack's images (stand-ins for the base images
+# where no registry serves them) and runs the stack end to end: OpenAI client, a worker killed
+# mid-stream, a Redis restart, `down -v`. Needs a Docker engine or dockerd (Debian's docker.io;
+# debootstrap for the stand-ins); not part of `make test`. See docker/compose_check.py.
+.PHONY: compose-check
+compose-check: $(STAMP)
+	$(PY) docker/compose_check.py --results benchmarks/results/compose_check.json $(COMPOSE_CHECK_ARGS)

@@ -200,6 +200,7 @@ def check_kernels_for(model: dict, scale: Scale, device: torch.device) -> dict:
     from engine.kernels import rms_norm as rn
     from engine.kernels import rotary as ro
     from engine.kernels import silu_and_mul as sm
+    from engine.models.llama import build_cos_sin_cache
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     heads, kv_heads, head_dim = (
@@ -303,7 +304,7 @@ def check_kernels_for(model: dict, scale: Scale, device: torch.device) -> dict:
         seconds=timeit(lambda: rn.rms_norm(x, weight, 1e-6, residual), device),
     )
     inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    cache = ro.build_cos_sin_cache(inv_freq, 4 * rows)
+    cache = build_cos_sin_cache(inv_freq, 4 * rows)
     positions = torch.randint(0, 4 * rows, (rows,), device=device, generator=gen)
     qr, kr = randn(rows, heads, head_dim), randn(rows, kv_heads, head_dim)
     expected_q, _ = ro.rotary_embedding_ref(positions, qr, kr, cache)

@@ -18,6 +18,7 @@ fp8 K and V, x1.0065 with K shifted.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -155,6 +156,11 @@ def get_attn_backend(name: str) -> AttentionBackend:
 
         return TorchAttentionBackend()
     if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError(
+                "attention backend 'triton' needs the triton package (it comes with CUDA "
+                "torch); on the CPU use 'cpu' or 'torch'"
+            )
         from engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()

@@ -97,15 +97,6 @@ def rotary_embedding(
     return q, k
 
 
-def build_cos_sin_cache(
-    inv_freq: torch.Tensor, max_position: int, scaling: float = 1.0
-) -> torch.Tensor:
-    """`[max_position, 2 * len(inv_freq)]` fp32: cos then sin of `position * inv_freq`."""
-    positions = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
-    freqs = positions[:, None] * inv_freq.float()[None, :]
-    return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
-
-
 def rotary_embedding_ref(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,11 +19,19 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.attention import AttentionBackend, KVCacheSpec, get_forward_context
-from engine.kernels.rotary import build_cos_sin_cache
 from engine.models.layers import Linear, LinearMethod, ModelKernels, VocabEmbedding
 
 # Applies rotary embedding to (q, k) for the step's positions; built once per step.
 RopeFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def build_cos_sin_cache(
+    inv_freq: torch.Tensor, max_position: int, scaling: float = 1.0
+) -> torch.Tensor:
+    """`[max_position, 2 * len(inv_freq)]` fp32: cos then sin of `position * inv_freq`."""
+    positions = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
+    freqs = positions[:, None] * inv_freq.float()[None, :]
+    return torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
 
 
 class RMSNorm(nn.Module):

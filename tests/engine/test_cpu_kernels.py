@@ -16,8 +16,9 @@ from engine.kernels import cpu_build, cpu_linear, cpu_ops, cpu_runtime
 from engine.kernels.int8_ref import int8_linear_ref, quantize_rows_int8
 from engine.kernels.kv_cache_write import write_kv_cache_ref
 from engine.kernels.rms_norm import rms_norm_ref
-from engine.kernels.rotary import build_cos_sin_cache, rotary_embedding_ref
+from engine.kernels.rotary import rotary_embedding_ref
 from engine.kernels.silu_and_mul import silu_and_mul_ref
+from engine.models.llama import build_cos_sin_cache
 
 DTYPES = [torch.float32, torch.bfloat16]
 

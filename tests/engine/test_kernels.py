@@ -17,9 +17,10 @@ from engine.kernels.decode_attention import decode_attention, decode_attention_r
 from engine.kernels.kv_cache_write import write_kv_cache, write_kv_cache_ref
 from engine.kernels.prefill_attention import prefill_attention, prefill_attention_ref
 from engine.kernels.rms_norm import rms_norm, rms_norm_ref
-from engine.kernels.rotary import build_cos_sin_cache, rotary_embedding, rotary_embedding_ref
+from engine.kernels.rotary import rotary_embedding, rotary_embedding_ref
 from engine.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from engine.loader import load_tokenizer
+from engine.models.llama import build_cos_sin_cache
 
 HEAD_DIM = 16
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
