@@ -4,8 +4,9 @@ The public API matches vLLM's, so code can switch between the two:
     from engine import LLM, SamplingParams
 """
 
-from engine.chat_template import apply_chat_template
+from engine.chat_template import apply_chat_template, chat_template_variables
 from engine.config import EngineConfig
+from engine.detokenizer import TokenBytes
 from engine.llm_engine import LLM, LLMEngine
 from engine.loader import load_tokenizer, resolve_model
 from engine.outputs import CompletionOutput, EngineStats, Logprob, RequestOutput, UnfinishedRequest
@@ -21,6 +22,7 @@ from engine.request import (
     sampling_fields,
     value_kinds,
 )
+from engine.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -38,8 +40,11 @@ __all__ = [
     "RequestOutput",
     "SamplingField",
     "SamplingParams",
+    "StructuredOutputsParams",
+    "TokenBytes",
     "UnfinishedRequest",
     "apply_chat_template",
+    "chat_template_variables",
     "load_tokenizer",
     "resolve_model",
     "sampling_fields",

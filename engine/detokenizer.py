@@ -1,13 +1,19 @@
-"""Incremental detokenization and stop-string checking for one request.
+"""Incremental detokenization and stop-string checking for one request, and a token's bytes.
 
 Text comes from `tokenizers.decoders.DecodeStream`, which re-decodes only a short window of
 recent tokens and emits text once it is valid UTF-8, so characters split over tokens and
 pieces that merge across token boundaries come out as the full decode would have them.
+
+A token alone may hold part of a character, which decodes to U+FFFD: `TokenBytes` gives its
+bytes from the vocabulary instead (OpenAI's logprobs `bytes`), so the bytes of a completion's
+tokens join into its UTF-8.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import json
+import re
+from typing import TYPE_CHECKING, Any
 
 from tokenizers.decoders import DecodeStream
 
@@ -127,3 +133,67 @@ class IncrementalDetokenizer:
             return ""
         self._last_output_text_offset = length
         return self._text[last_offset:length]
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character standing for each byte in a vocabulary
+    (printable Latin-1 as itself, the other bytes as U+0100 onwards), mapped back to it."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
+    printable |= set(range(ord("®"), ord("ÿ") + 1))
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte fallback pieces
+
+
+def _decoder_steps(decoder: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if decoder is None:
+        return []
+    if decoder["type"] == "Sequence":
+        return [step for d in decoder["decoders"] for step in _decoder_steps(d)]
+    return [decoder]
+
+
+class TokenBytes:
+    """Token id -> the bytes it stands for in the vocabulary (cached per id).
+
+    Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2) writes each byte as one character of its
+    alphabet; sentencepiece-style vocabularies (Llama 2, Mistral) hold text with U+2581 for
+    a space and `<0xNN>` pieces for bytes (byte fallback). Which one a tokenizer is comes from
+    its decoder. Added tokens (`<|im_end|>`) are their text.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | Tokenizer) -> None:
+        backend: Tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
+        steps = _decoder_steps(json.loads(backend.to_str())["decoder"])
+        kinds = {step["type"] for step in steps}
+        self._backend = backend
+        self._added = {i: t.content.encode() for i, t in backend.get_added_tokens_decoder().items()}
+        self._byte_level = "ByteLevel" in kinds
+        self._byte_fallback = "ByteFallback" in kinds
+        self._replacements = [
+            (step["pattern"]["String"], step["content"])
+            for step in steps
+            if step["type"] == "Replace" and "String" in step["pattern"]
+        ] + [(step["replacement"], " ") for step in steps if step["type"] == "Metaspace"]
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        cached = self._cache.get(token_id)
+        if cached is None:
+            cached = self._cache[token_id] = self._bytes(token_id)
+        return cached
+
+    def _bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id]
+        piece = self._backend.id_to_token(token_id)
+        if self._byte_level:
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if self._byte_fallback and (match := _BYTE_TOKEN.fullmatch(piece)):
+            return bytes([int(match[1], 16)])
+        for pattern, content in self._replacements:
+            piece = piece.replace(pattern, content)
+        return piece.encode()

@@ -6,20 +6,31 @@ undoable, so that it can step subsets of its requests and fail only the culprit:
 isolation belongs here, below `LLMEngine`, because only the core knows which requests a step
 served and how to take it back; every caller (`LLM.generate`, the service's engine thread)
 then sees one request fail instead of a batch.
+
+The core also owns the `StructuredOutputManager` (vLLM's place for it): grammars compile off
+its thread, and a request whose grammar cannot be built fails alone, the same way.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineCoreOutput, EngineStats
 from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler import Scheduler
+from engine.structured_outputs import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger("kvrail.engine")
+# A step that schedules nothing while grammars compile waits this long at most for one
+# instead of spinning (a typical compile takes 7-12 ms here); commands wait as long.
+_COMPILE_WAIT_S = 0.01
 
 
 class StepFailed(Exception):
@@ -36,10 +47,11 @@ class EngineCore:
         self,
         config: EngineConfig,
         model_dir: Path,
-        eos_token_id: int | None,
+        tokenizer: PreTrainedTokenizerBase,
         calibration_token_ids: list[int],
     ) -> None:
         self.config = config
+        eos_token_id = tokenizer.eos_token_id
         self.model_runner = ModelRunner(
             config, model_dir, config.max_model_len, eos_token_id, calibration_token_ids
         )
@@ -66,9 +78,20 @@ class EngineCore:
             CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching),
         )
         self.model_runner.initialize_kv_cache(num_blocks)
+        self.structured_output_manager = StructuredOutputManager(
+            tokenizer, self.vocab_size, eos_token_id
+        )
 
     def add_request(self, request: Request) -> None:
+        """Queue a request (`Scheduler.add_request`) and start building its grammar; raises
+        `ValueError` if its grammar refuses the tokens it resumes with."""
         self.scheduler.add_request(request)
+        if request.use_structured_output:
+            try:
+                self.structured_output_manager.grammar_init(request)
+            except ValueError:
+                self.abort_requests([request.request_id])
+                raise
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Finish live requests as aborted; their blocks are free on return."""
@@ -83,15 +106,33 @@ class EngineCore:
         request that failed it (see `_isolate`), its error."""
         if not self.scheduler.has_unfinished_requests() and not self.scheduler.finished_req_ids:
             return []
+        outputs = []
+        if self.structured_output_manager.is_compiling:
+            outputs += self._start_grammars()
         try:
-            return self._step()
+            return outputs + self._step()
         except StepFailed as failure:
-            return self._isolate(failure)
+            return outputs + self._isolate(failure)
+
+    def _start_grammars(self) -> list[EngineCoreOutput]:
+        """Hand compiled grammars to their requests (the scheduler runs them from now on);
+        abort those whose grammar failed, each with its error."""
+        outputs = []
+        for req_id, error in self.structured_output_manager.update():
+            logger.warning("request %s failed: %s", req_id, error)
+            self.abort_requests([req_id])
+            outputs.append(
+                EngineCoreOutput(req_id, [], finish_reason=FinishReason.ABORT, error=error)
+            )
+        return outputs
 
     def _step(self, request_ids: set[str] | None = None) -> list[EngineCoreOutput]:
         """Schedule (only `request_ids`, if given), execute, update. A model run that raises
         is undone, then reported as `StepFailed` naming the requests the step served."""
         scheduler_output = self.scheduler.schedule(request_ids)
+        manager = self.structured_output_manager
+        if not scheduler_output.num_scheduled_tokens and manager.is_compiling:
+            manager.wait_for_compile(_COMPILE_WAIT_S)
         try:
             # Runs even with nothing scheduled, so the runner drops finished requests' state.
             runner_output = self.model_runner.execute_model(scheduler_output)

@@ -76,10 +76,7 @@ class LLMEngine:
         model_dir = resolve_model(config.model)
         self.tokenizer = load_tokenizer(model_dir)
         self.engine_core = EngineCore(
-            config,
-            model_dir,
-            self.tokenizer.eos_token_id,
-            calibration_token_ids(self.tokenizer),
+            config, model_dir, self.tokenizer, calibration_token_ids(self.tokenizer)
         )
         self.max_model_len = self.engine_core.max_model_len
         self.vocab_size = self.engine_core.vocab_size
@@ -147,7 +144,9 @@ class LLMEngine:
 
         `resume` continues a request whose earlier output was delivered elsewhere (a worker
         died): per choice index, the tokens already emitted (recomputed, never emitted
-        again), or None for a choice that already finished.
+        again), or None for a choice that already finished. With `structured_outputs` they
+        must follow the grammar (its matcher accepts them first), else `ValueError`, or, if
+        the grammar still has to compile, the request ends with that `error`.
 
         Prompt logprobs are computed once, by choice 0 (the others take its prompt blocks
         from the prefix cache), and travel with its first token: a resumed request computes
@@ -199,6 +198,7 @@ class LLMEngine:
                         prompt_token_ids + child.resumed_token_ids,
                         child.params,
                         self.tokenizer.eos_token_id,
+                        num_resumed_tokens=len(child.resumed_token_ids),
                     )
                 )
                 added.append(child_id)

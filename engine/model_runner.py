@@ -45,7 +45,13 @@ from engine.models.layers import model_kernels
 from engine.models.llama import head_dim_of
 from engine.outputs import LogprobsEntry, ModelRunnerOutput, SchedulerOutput
 from engine.request import SamplingParams
-from engine.sampler import Sampler, SamplingMetadata, argmax_rows, gather_logprobs
+from engine.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_grammar_mask,
+    argmax_rows,
+    gather_logprobs,
+)
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.spec_decode.rejection_sampler import rejection_sample
@@ -549,7 +555,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden_states[self._to_device(logits_indices)])
             spec = scheduler_output.scheduled_spec_decode_tokens
             drafts = [spec.get(s.req_id, []) for s in sampling_states]
-            tokens, entries = self._sample(logits, sampling_states, drafts)
+            grammar = self._grammar_mask(scheduler_output, sampling_states, drafts)
+            tokens, entries = self._sample(logits, sampling_states, drafts, grammar)
             sample_idx = np.flatnonzero(is_sampling)
             for j, state in enumerate(sampling_states):
                 for token_id in tokens[j]:
@@ -569,15 +576,48 @@ class ModelRunner:
             req_ids, sampled_token_ids, logprobs, prompt_logprobs, spec_token_ids
         )
 
+    def _grammar_mask(
+        self,
+        scheduler_output: SchedulerOutput,
+        states: list[CachedRequestState],
+        drafts: list[list[int]],
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`SamplingMetadata.grammar_mask`: the logits rows the scheduler's grammar bitmask
+        masks (one per sampled position: s + 1 for a request with s drafts) and its rows there
+        unpacked; None when no request sampling now has a grammar.
+
+        numpy unpacks a row of 49,152 bits in 0.05 ms here, however few tokens it allows;
+        xgrammar's CPU kernel, which writes each -inf on its own, took 0.27 ms on a row that
+        allows few (most rows of a JSON text) and 16 such rows 4.3 ms, against 0.76 ms."""
+        first_rows = scheduler_output.structured_output_request_ids
+        if not first_rows:
+            return None
+        source: list[int] = []
+        rows: list[int] = []
+        row = 0
+        for state, d in zip(states, drafts, strict=True):
+            first = first_rows.get(state.req_id)
+            if first is not None:
+                source += range(first, first + len(d) + 1)
+                rows += range(row, row + len(d) + 1)
+            row += len(d) + 1
+        # Bit t of int32 word w is token 32 w + t: little-endian bytes, bits unpacked in order.
+        words = scheduler_output.grammar_bitmask[source].numpy()
+        allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
+        allowed = self._to_device(allowed[:, : self.vocab_size]).view(torch.bool)
+        return self._to_device(np.array(rows, dtype=np.int64)), allowed
+
     def _sample(
         self,
         logits: torch.Tensor,
         states: list[CachedRequestState],
         drafts: list[list[int]],
+        grammar_mask: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[list[list[int]], list[list[LogprobsEntry]]]:
         """Tokens and logprobs entries per sampling request, from its rows of `logits`: one
         row, or with drafts one row per draft and one more, verified (`rejection_sample`).
-        Row j of a request with drafts is processed as if its first j drafts were output."""
+        Row j of a request with drafts is processed as if its first j drafts were output,
+        its grammar too (`grammar_mask`, from `_grammar_mask`)."""
         row_states = [s for s, d in zip(states, drafts, strict=True) for _ in range(len(d) + 1)]
         row_outputs = [
             s.output_token_ids + d[:j] if j else s.output_token_ids
@@ -595,6 +635,7 @@ class ModelRunner:
             vocab_size=self.vocab_size,
             eos_token_ids=[self.eos_token_id] * len(row_states),
             device=self.device,
+            grammar_mask=grammar_mask,
         )
         num_logprobs = [s.sampling_params.logprobs for s in states]
         if not has_drafts:
@@ -604,6 +645,7 @@ class ModelRunner:
                 return tokens, [[] for _ in states]
             entries = out.logprobs.to_entries(num_logprobs)
             return tokens, [[e] if e is not None else [] for e in entries]
+        logits = apply_grammar_mask(logits, metadata)  # raw logprobs see it, as `Sampler`'s do
         processed = self.sampler.process_logits(logits.float(), metadata)
         tokens = rejection_sample(
             drafts,

@@ -8,8 +8,12 @@ scheduler --EngineStats--> user (`LLMEngine.get_stats`)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.request import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -42,6 +46,11 @@ class SchedulerOutput:
     finished_req_ids: set[str]  # finished since the last step: the runner drops their state
     # req_id -> draft tokens [s] to verify, the last s of its scheduled tokens (none: absent)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Structured outputs: req_id -> its first row of `grammar_bitmask`, for each request with
+    # a grammar that samples this step; its s + 1 rows mask its s + 1 sampled positions
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    # [rows, ceil(V / 32)] int32 on the CPU, bit t set = token t allowed; None: no such request
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -79,7 +88,8 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    error: str | None = None  # the request failed a step alone (finish_reason ABORT)
+    # the request failed a step alone, or its grammar failed (finish_reason ABORT)
+    error: str | None = None
 
 
 @dataclass

@@ -15,7 +15,12 @@ import functools
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from engine.structured_outputs import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from engine.structured_outputs import StructuredOutputGrammar
 
 # Bounds that keep one request from exhausting the engine; the service enforces the same.
 MAX_N = 128
@@ -70,6 +75,9 @@ class SamplingParams:
     prompt_logprobs: int | None = _bounded(None, minimum=0, maximum=MAX_LOGPROBS)
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
     skip_special_tokens: bool = True
+    # The text follows a JSON schema, regex, choice or grammar; the map of its fields is
+    # taken too (the wire's form), made into one on construction
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -81,6 +89,8 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):  # keys or values from the wire, of any type
                 raise ValueError("logit_bias must map token ids to numbers") from None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
         if self.temperature < 1e-5:
             # Greedy: sampling knobs are meaningless, normalise them so batches can skip them.
@@ -121,6 +131,12 @@ class SamplingParams:
                     "logit_bias",
                     f"must map at most {MAX_LOGIT_BIAS} token ids to biases in "
                     f"[-{MAX_ABS_LOGIT_BIAS}, {MAX_ABS_LOGIT_BIAS}]",
+                )
+            elif spec.name == "structured_outputs":
+                check(
+                    value is None or isinstance(value, StructuredOutputsParams),
+                    "structured_outputs",
+                    "must be a StructuredOutputsParams or the map of its fields",
                 )
             if spec.name == "min_tokens":
                 check(
@@ -175,14 +191,18 @@ class SamplingField:
 def value_kinds(annotation: Any) -> tuple[tuple[type, ...], bool]:
     """The Python types a value of a dataclass field annotated `annotation` may have, as
     isinstance() takes them, and whether None is allowed: `int | None` -> ((int,), True),
-    `float` -> ((int, float), False) (JSON and msgpack write 1.0 as 1), `list[int]` -> list."""
+    `float` -> ((int, float), False) (JSON and msgpack write 1.0 as 1), `list[int]` -> list,
+    a dataclass -> dict (it travels as the map of its fields)."""
     members = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else ()
     kinds: list[type] = []
     for member in members or (annotation,):
         if member is type(None):
             continue
         origin = typing.get_origin(member) or member
-        kinds += [int, float] if origin is float else [origin]
+        if dataclasses.is_dataclass(origin):
+            kinds.append(dict)
+        else:
+            kinds += [int, float] if origin is float else [origin]
     return tuple(dict.fromkeys(kinds)), type(None) in members
 
 
@@ -228,13 +248,14 @@ class FinishReason(enum.StrEnum):
     """Why a completion ended. A `str`, so it reaches msgpack, JSON and metric labels as its
     value ("stop", "length", "abort"): the wire format is the plain string."""
 
-    STOP = "stop"  # EOS, a stop token id or a stop string
+    STOP = "stop"  # EOS, a stop token id, a stop string, or the end of its grammar
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # waiting, its grammar still compiling (structured outputs)
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is finished.
@@ -259,7 +280,11 @@ _FINISHED_REASONS = {
 
 
 class Request:
-    """One sequence being generated: its prompt, what was sampled, how far its KV is computed."""
+    """One sequence being generated: its prompt, what was sampled, how far its KV is computed.
+
+    `num_resumed_tokens`: the prompt's last tokens were emitted as output before a resume
+    (`LLMEngine.add_request(resume=...)`); a grammar's matcher accepts them first.
+    """
 
     def __init__(
         self,
@@ -267,12 +292,19 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_id: int | None,
+        num_resumed_tokens: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
+        self.num_resumed_tokens = num_resumed_tokens
         self.status = RequestStatus.WAITING
+        # Structured outputs: the matcher, from `StructuredOutputManager`; until then the
+        # request waits for it
+        self.grammar: StructuredOutputGrammar | None = None
+        if self.use_structured_output:
+            self.status = RequestStatus.WAITING_FOR_FSM
         self.stop_reason: int | str | None = None
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -284,6 +316,10 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Draft tokens proposed after the last step, verified in the next (speculative decoding).
         self.spec_token_ids: list[int] = []
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.sampling_params.structured_outputs is not None
 
     @property
     def num_tokens(self) -> int:

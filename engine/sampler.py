@@ -1,8 +1,12 @@
 """Token sampling for one step's batch, in vLLM v1's order.
 
-raw logprobs -> min_tokens -> logit_bias -> penalties -> greedy argmax | (temperature -> min_p
--> top_k -> top_p -> exponential race). `SamplingMetadata.build` skips every tensor no row
-needs, so an all-greedy batch without extras is one argmax.
+grammar mask -> raw logprobs -> min_tokens -> logit_bias -> penalties -> greedy argmax |
+(temperature -> min_p -> top_k -> top_p -> exponential race). `SamplingMetadata.build` skips
+every tensor no row needs, so an all-greedy batch without extras is one argmax.
+
+The grammar mask (structured outputs) comes first, as vLLM applies it to the logits before
+its sampler: logprobs are those of the model's distribution over the tokens the grammar
+allows (the others at -inf), without logit_bias, penalties or temperature.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ class SamplingMetadata:
     repetition_penalties: torch.Tensor | None  # [B] float32
     output_token_counts: torch.Tensor | None  # [B, V] float32, occurrences in the output
     seen_mask: torch.Tensor | None  # [B, V] bool, token in the prompt or the output
+    # (rows [K] int64, allowed [K, V] bool): the rows with a grammar and the tokens it allows
+    # there (structured outputs); None if no row has one
+    grammar_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(
@@ -51,8 +58,10 @@ class SamplingMetadata:
         vocab_size: int,
         eos_token_ids: list[int | None],
         device: torch.device | str,
+        grammar_mask: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplingMetadata:
-        """Gather the batch's sampling inputs; `generators` maps row -> that row's generator.
+        """Gather the batch's sampling inputs; `generators` maps row -> that row's generator;
+        `grammar_mask` as the field is.
 
         Token lists are read, not kept: build once per step, after this step's inputs are known.
         """
@@ -91,6 +100,7 @@ class SamplingMetadata:
             ),
             logit_bias=_build_logit_bias(params, vocab_size, device),
             **_build_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
+            grammar_mask=grammar_mask,
         )
 
 
@@ -211,6 +221,7 @@ class Sampler(torch.nn.Module):
     """Samples one token per row from [B, V] logits; never modifies its input."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        logits = apply_grammar_mask(logits, metadata)
         # Logprobs are reported from the raw distribution, before any processing (vLLM default).
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1, dtype=torch.float32)
@@ -233,9 +244,15 @@ class Sampler(torch.nn.Module):
             and metadata.repetition_penalties is None
         ):
             return logits
-        logits = logits.clone()
+        given, logits = logits, logits.clone()
         if metadata.min_tokens_mask is not None:
             logits[metadata.min_tokens_mask] = float("-inf")
+            if metadata.grammar_mask is not None:
+                # A grammar whose text is complete allows only EOS: the text ends there, below
+                # min_tokens (a row with every token at -inf could sample none).
+                rows = metadata.grammar_mask[0]
+                ended = rows[logits[rows].isneginf().all(dim=1)]
+                logits[ended] = given[ended]
         if metadata.logit_bias is not None:
             rows, cols, biases = metadata.logit_bias
             logits.index_put_((rows, cols), biases, accumulate=True)
@@ -269,6 +286,17 @@ class Sampler(torch.nn.Module):
         if metadata.top_p is not None:
             logits = apply_top_p(logits, metadata.top_p)
         return logits.softmax(dim=-1)
+
+
+def apply_grammar_mask(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Float32 logits with the tokens each grammar row forbids at -inf: a copy, or `logits`
+    itself when no row has a grammar."""
+    if metadata.grammar_mask is None:
+        return logits
+    rows, allowed = metadata.grammar_mask
+    masked = logits.to(torch.float32, copy=True)
+    masked[rows] = masked[rows].where(allowed, float("-inf"))
+    return masked
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

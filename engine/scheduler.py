@@ -9,6 +9,12 @@ Speculative decoding adds no phase either: a running request's draft tokens
 After the step, the drafts the target rejected are taken back from `num_computed_tokens`:
 their slots are overwritten later, and as blocks are cached only up to the request's known
 tokens (`KVCacheManager.allocate_slots`), a draft never reaches the prefix cache.
+
+Structured outputs (`engine/structured_outputs.py`) add a state and two duties: a request
+whose grammar still compiles waits (`WAITING_FOR_FSM`) while the requests behind it run; each
+step fills the grammar bitmask of the constrained requests that sample, and each appended
+token advances the request's matcher (drafts are cut to what the grammar allows). A scheduler
+without a constrained request does neither.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from engine.outputs import (
     SchedulerOutput,
 )
 from engine.request import Request, RequestStatus, check_prompt_len
+from engine.structured_outputs import grammar_bitmask
 
 
 class Scheduler:
@@ -47,6 +54,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is preempted first
         self.finished_req_ids: set[str] = set()  # since the last schedule()
+        self.num_structured_output_reqs = 0  # live requests with a grammar
         self.num_preemptions = 0
         k = scheduler_config.num_speculative_tokens
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
@@ -63,6 +71,7 @@ class Scheduler:
             )
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self.num_structured_output_reqs += request.use_structured_output
 
     def schedule(self, request_ids: Container[str] | None = None) -> SchedulerOutput:
         """Spend this step's `token_budget`; see the module docstring. Mutates request state.
@@ -119,6 +128,10 @@ class Scheduler:
                 break
             if request_ids is not None and request.request_id not in request_ids:
                 continue
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                if request.grammar is None:
+                    continue  # still compiling: the requests behind it go first
+                request.status = RequestStatus.WAITING
             computed_blocks, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0:
                 computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
@@ -149,8 +162,27 @@ class Scheduler:
         # Counters advance now: the next schedule() sees this step's tokens as computed.
         for req_id, num_tokens in num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
+        if self.num_structured_output_reqs:
+            self._fill_grammar_bitmask(output)
         self.finished_req_ids = set()
         return output
+
+    def _fill_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """The bitmask rows of the constrained requests this step samples (those it brings
+        to the end of their tokens and drafts), in the order they were scheduled."""
+        rows = []
+        row = 0
+        for req_id in output.num_scheduled_tokens:
+            request = self.requests[req_id]
+            drafts = output.scheduled_spec_decode_tokens.get(req_id, [])
+            samples = request.num_computed_tokens == request.num_tokens + len(drafts)
+            if request.grammar is None or not samples:
+                continue
+            output.structured_output_request_ids[req_id] = row
+            rows.append((request.grammar, drafts))
+            row += len(drafts) + 1
+        if rows:
+            output.grammar_bitmask = grammar_bitmask(rows)
 
     def _clip(self, num_new_tokens: int, token_budget: int) -> int:
         """Chunk a request's missing tokens by the long-prefill threshold and the budget."""
@@ -235,8 +267,12 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, take back rejected drafts, apply token-level stops to each
-        new token in turn, keep the next drafts, free finished requests."""
+        """Append sampled tokens, take back rejected drafts, advance grammars and apply
+        token-level stops to each new token in turn, keep the next drafts, free finished
+        requests.
+
+        A token its grammar refuses (the runner's bitmask allows none) ends that request
+        alone, aborted with an error, its tokens from that one on dropped."""
         outputs = []
         scheduled_spec = scheduler_output.scheduled_spec_decode_tokens
         for i, req_id in enumerate(runner_output.req_ids):
@@ -250,15 +286,23 @@ class Scheduler:
                 num_draft_tokens = len(scheduled_spec[req_id])
                 request.num_computed_tokens -= num_draft_tokens + 1 - len(new_token_ids)
                 self._record_acceptance(num_draft_tokens, len(new_token_ids) - 1)
+            error = None
             for num_new, token_id in enumerate(new_token_ids, start=1):
+                if request.grammar is not None and not request.grammar.accept_token(token_id):
+                    error = f"structured_outputs: the grammar refused sampled token {token_id}"
+                    request.status = RequestStatus.FINISHED_ABORTED
+                    new_token_ids = new_token_ids[: num_new - 1]
+                    break
                 request.append_output_token_ids([token_id])
                 self._check_stop(request)
                 if request.is_finished():  # tokens past a stop are dropped
                     new_token_ids = new_token_ids[:num_new]
                     break
             if runner_output.spec_token_ids and not request.is_finished():
-                drafts = runner_output.spec_token_ids[i]
-                request.spec_token_ids = drafts[: self._max_drafts(request)]
+                drafts = runner_output.spec_token_ids[i][: self._max_drafts(request)]
+                if request.grammar is not None:
+                    drafts = request.grammar.validate_tokens(drafts)
+                request.spec_token_ids = drafts
             outputs.append(
                 EngineCoreOutput(
                     request_id=req_id,
@@ -268,6 +312,7 @@ class Scheduler:
                     finish_reason=request.get_finished_reason(),
                     stop_reason=request.stop_reason,
                     num_cached_tokens=request.num_cached_tokens,
+                    error=error,
                 )
             )
             if request.is_finished():
@@ -293,6 +338,11 @@ class Scheduler:
     def _check_stop(self, request: Request) -> None:
         params = request.sampling_params
         last_token_id = request.output_token_ids[-1]
+        if request.grammar is not None and request.grammar.is_terminated():
+            # It took EOS where its text is complete (ignore_eos or min_tokens let it pass
+            # the check below): the grammar allows nothing more.
+            request.status = RequestStatus.FINISHED_STOPPED
+            return
         if request.num_output_tokens >= params.min_tokens:
             if last_token_id == request.eos_token_id and not params.ignore_eos:
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -335,6 +385,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        self.num_structured_output_reqs -= request.use_structured_output
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -187,7 +187,8 @@ class GenerateRequest(_Message):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # chat: the worker applies the chat template
-    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
+    # SamplingParams fields; structured_outputs as the map of its fields set ({"json": {...}})
+    sampling: dict[str, Any] = field(default_factory=dict)
     reply_to: str | None = None  # response stream; None = keys.response(request_id)
     deadline_ms: int | None = None  # unix ms after which the request is finished with an error
 

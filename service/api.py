@@ -60,9 +60,9 @@ def create_app(
     """The API app serving `model_name` with the tokenizer in `tokenizer_dir`.
 
     Its limits and API key are the `settings`' (api_key, max_body_bytes, max_pending,
-    stream_timeout_s, response_ttl_s, resume_grace_s). `max_model_len` is only reported when
-    no worker is alive; `worker_cache_s` is how long a read of the worker heartbeats is
-    reused. The Redis client and its response reader live for the app's lifespan.
+    stream_timeout_s, response_ttl_s, resume_grace_s, unknown_fields). `max_model_len` is only
+    reported when no worker is alive; `worker_cache_s` is how long a read of the worker
+    heartbeats is reused. The Redis client and its response reader live for the app's lifespan.
     """
     state = ApiState(
         model_name=model_name,

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from service.settings import Settings
+from service.settings import UNKNOWN_FIELDS, Settings
 
 
 def speculative_config(raw: str) -> dict[str, Any]:
@@ -57,6 +58,12 @@ def _add_http_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument(
+        "--unknown-fields",
+        choices=UNKNOWN_FIELDS,
+        default=None,
+        help="unknown request fields: 400 (reject) or a logged warning (KVRAIL_UNKNOWN_FIELDS)",
+    )
 
 
 def _on_signals(callback) -> None:
@@ -204,9 +211,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def settings_of(args: argparse.Namespace) -> Settings:
+    """The environment's settings, the command line's flags over them."""
+    settings = Settings.from_env()
+    if getattr(args, "unknown_fields", None) is not None:
+        settings = dataclasses.replace(settings, unknown_fields=args.unknown_fields)
+    return settings
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    settings = Settings.from_env()
+    settings = settings_of(args)
     args.model = args.model or settings.model
     return args.func(args, settings)
 

@@ -2,10 +2,11 @@
 
 A request is tokenized here (the API loads only the tokenizer), checked against the live
 workers' `max_model_len` and the backlog, submitted to the workers through `KvrailClient`, and
-answered from its response stream as one JSON object or as SSE events. A client that goes
-away before the last chunk has its request aborted: at once when it waited for one JSON
-object, after `KVRAIL_RESUME_GRACE_S` when it read SSE, unless a reader came back by then
-(`Readers`). `ApiState` is what every handler shares.
+answered from its response stream as one JSON object or as SSE events. A batch of prompts
+is one engine request per prompt, their chunks merged as they come (`_merge`). A client that
+goes away before the last chunk has its engine requests aborted: at once when it waited for
+one JSON object, after `KVRAIL_RESUME_GRACE_S` when it read SSE, unless a reader came back by
+then (`Readers`). `ApiState` is what every handler shares.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import apply_chat_template
+from engine import chat_template_variables
 from queueing.client import KvrailClient, RedisDataLost, StreamError, StreamTimeout
 from queueing.schema import (
     GenerateRequest,
@@ -41,7 +42,9 @@ from service.middleware import (
 )
 from service.openai_protocol import (
     ApiError,
+    ParseContext,
     ParsedRequest,
+    Prompt,
     StreamEvents,
     StreamShape,
     TokenStrings,
@@ -95,30 +98,35 @@ class Readers:
         self._ttl_s = ttl_s
         self._checks: set[asyncio.Task[None]] = set()
 
-    async def attach(self, request_id: str) -> str:
-        """A new reader of `request_id`, connected until `leave`; returns its name."""
+    async def attach(self, request_ids: list[str]) -> str:
+        """A new reader of the engine requests `request_ids` (one HTTP request's), connected
+        until `leave`; returns its name."""
         reader = uuid.uuid4().hex
         if self._grace_s > 0:
-            await self._client.hold_reader(request_id, reader, self._ttl_s)
+            await asyncio.gather(
+                *(self._client.hold_reader(r, reader, self._ttl_s) for r in request_ids)
+            )
         return reader
 
-    async def leave(self, request_id: str, reader: str, *, knew_id: bool) -> None:
-        """`reader` left before the end: abort unless a reader is back within the grace. A
-        reader that never learned the request id (the first event carries it) cannot come
-        back: its request is aborted at once, not left generating for the grace."""
+    async def leave(self, request_ids: list[str], reader: str, *, knew_id: bool) -> None:
+        """`reader` left before the end: abort each request unless a reader is back within
+        the grace. A reader that never learned the request id (the first event carries it)
+        cannot come back: its requests are aborted at once, not left generating for the
+        grace."""
         if self._grace_s == 0 or not knew_id:
-            await _abort(self._client, request_id)
+            await _abort(self._client, request_ids)
             return
-        try:
-            await self._client.hold_reader(request_id, reader, self._ttl_s, self._grace_s)
-        except RedisError as e:  # best effort, like the abort it stands for
-            logger.warning("cannot record that a reader of %s left: %s", request_id, e)
-            return
-        # A check of its own, started after this write: one started before may have read the
-        # readers before it and stopped, seeing this reader still connected.
-        check = asyncio.create_task(self._abort_when_unread(request_id))
-        self._checks.add(check)
-        check.add_done_callback(self._checks.discard)
+        for request_id in request_ids:
+            try:
+                await self._client.hold_reader(request_id, reader, self._ttl_s, self._grace_s)
+            except RedisError as e:  # best effort, like the abort it stands for
+                logger.warning("cannot record that a reader of %s left: %s", request_id, e)
+                return
+            # A check of its own, started after this write: one started before may have read
+            # the readers before it and stopped, seeing this reader still connected.
+            check = asyncio.create_task(self._abort_when_unread(request_id))
+            self._checks.add(check)
+            check.add_done_callback(self._checks.discard)
 
     async def _abort_when_unread(self, request_id: str) -> None:
         try:
@@ -150,13 +158,16 @@ class ApiState:
     workers: WorkerView = field(init=False)
     readers: Readers = field(init=False)
     token_str: TokenStrings = field(init=False)
+    parse_context: ParseContext = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_str = TokenStrings(self.tokenizer)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.tokenizer)
+        self.parse_context = ParseContext(
+            self.model_name,
+            len(self.tokenizer),
+            chat_template_variables(self.tokenizer),
+            self.settings.unknown_fields,
+        )
 
     async def serving_max_model_len(self) -> int:
         """The smallest max_model_len of the live workers; 503 when none is alive."""
@@ -210,15 +221,19 @@ def _too_large(max_bytes: int) -> ApiError:
     return ApiError(413, f"The body exceeds {max_bytes} bytes", code="request_too_large")
 
 
-async def _prompt_token_ids(state: ApiState, parsed: ParsedRequest) -> list[int]:
+async def _tokenize(state: ApiState, parsed: ParsedRequest) -> list[Prompt]:
     tokenizer = state.tokenizer
 
-    def tokenize() -> list[int]:
-        if parsed.prompt_token_ids is not None:
-            return parsed.prompt_token_ids
-        if parsed.prompt is not None:
-            return tokenizer(parsed.prompt).input_ids
-        return apply_chat_template(tokenizer, parsed.messages)[1]
+    def prompt(given: str | list[int]) -> Prompt:
+        token_ids = given if isinstance(given, list) else tokenizer(given).input_ids
+        if not parsed.echo:
+            return Prompt(token_ids)
+        return Prompt(token_ids, given if isinstance(given, str) else tokenizer.decode(given))
+
+    def tokenize() -> list[Prompt]:
+        if parsed.kind == "chat":
+            return [Prompt(parsed.chat_template.apply(tokenizer, parsed.messages))]
+        return [prompt(given) for given in parsed.prompts]
 
     try:
         return await asyncio.to_thread(tokenize)
@@ -248,8 +263,8 @@ def _check_length(prompt_len: int, max_tokens: int | None, max_model_len: int) -
         )
 
 
-async def _check_backlog(state: ApiState) -> None:
-    if await state.client.backlog() >= state.settings.max_pending:
+async def _check_backlog(state: ApiState, num_requests: int) -> None:
+    if await state.client.backlog() + num_requests > state.settings.max_pending:
         raise retry_later(
             429,
             "Too many requests are waiting; try again later",
@@ -262,48 +277,76 @@ async def _check_backlog(state: ApiState) -> None:
 async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
     """Check capacity, submit, and answer as one JSON object or as an SSE stream."""
     state = state_of(request)
-    prompt_ids = await _prompt_token_ids(state, parsed)
-    _check_length(
-        len(prompt_ids), parsed.sampling["max_tokens"], await state.serving_max_model_len()
-    )
-    if parsed.sampling.get("prompt_logprobs") is not None:
-        try:
-            check_prompt_logprobs_size(len(prompt_ids), parsed.sampling["prompt_logprobs"])
-        except SchemaError as e:
-            raise ApiError(400, str(e), param="prompt_logprobs") from None
-    await _check_backlog(state)
-    generate = GenerateRequest(
-        parsed.request_id, prompt_token_ids=prompt_ids, sampling=parsed.sampling
-    )
+    if len(parsed.prompts) > state.settings.max_pending:  # would never fit in the backlog
+        raise ApiError(
+            400,
+            f"'prompt' holds {len(parsed.prompts)} prompts, more than the "
+            f"{state.settings.max_pending} requests this server queues",
+            param="prompt",
+        )
+    prompts = await _tokenize(state, parsed)
+    max_model_len = await state.serving_max_model_len()
+    for prompt in prompts:
+        _check_length(len(prompt.token_ids), parsed.sampling["max_tokens"], max_model_len)
+        if parsed.sampling.get("prompt_logprobs") is not None:
+            try:
+                check_prompt_logprobs_size(
+                    len(prompt.token_ids), parsed.sampling["prompt_logprobs"]
+                )
+            except SchemaError as e:
+                raise ApiError(400, str(e), param="prompt_logprobs") from None
+    await _check_backlog(state, len(prompts))
+    generates = [
+        GenerateRequest(request_id, prompt_token_ids=prompt.token_ids, sampling=parsed.sampling)
+        for request_id, prompt in zip(parsed.engine_request_ids, prompts, strict=True)
+    ]
     try:
-        generate.validate()
+        for generate in generates:
+            generate.validate()
     except SchemaError as e:
         raise ApiError(400, str(e)) from None
     if not parsed.stream:
-        await state.client.submit(generate)
-        return await _answer_whole(request, state, parsed, len(prompt_ids))
+        await _submit(state.client, generates)
+        return await _answer_whole(request, state, parsed, prompts)
     shape = StreamShape(
         parsed.kind,
         parsed.request_id,
         state.model_name,
         parsed.created,
         parsed.include_usage,
-        len(prompt_ids),
+        sum(len(prompt.token_ids) for prompt in prompts),
+        num_prompts=len(prompts),
+        n=parsed.sampling.get("n", 1),
+        top_logprobs=parsed.sampling.get("logprobs"),
+        echo=[prompt.echo for prompt in prompts] if parsed.echo else None,
+        echo_only=parsed.echo_only,
     )
     # Kept for `/v1/streams/{id}`, which must shape a resumed stream the same way.
     await state.client.save_sse_shape(
         parsed.request_id, shape.to_json(), state.settings.response_ttl_s
     )
-    reader = await state.readers.attach(parsed.request_id)
-    await state.client.submit(generate)
-    return event_stream(state, shape, after_seq=-1, reader=reader, knew_id=False)
+    reader = await state.readers.attach(shape.request_ids)
+    await _submit(state.client, generates)
+    return event_stream(state, shape, [-1] * len(prompts), reader, knew_id=False)
+
+
+async def _submit(client: KvrailClient, generates: list[GenerateRequest]) -> None:
+    """Submit every engine request, or none: on a failure (or a cancel) those submitted, the
+    one in flight among them, are aborted."""
+    for i, generate in enumerate(generates):
+        try:
+            await client.submit(generate)
+        except BaseException:
+            await _abort(client, [g.request_id for g in generates[: i + 1]])
+            raise
 
 
 async def _answer_whole(
-    request: Request, state: ApiState, parsed: ParsedRequest, prompt_tokens: int
+    request: Request, state: ApiState, parsed: ParsedRequest, prompts: list[Prompt]
 ) -> Response:
-    """Collect every chunk, aborting the request if the client disconnects first."""
-    collect = asyncio.create_task(_collect(state.client.stream(parsed.request_id)))
+    """Collect every chunk, aborting the requests if the client disconnects first."""
+    request_ids = parsed.engine_request_ids
+    collect = asyncio.create_task(_collect(state.client, request_ids))
     gone = asyncio.create_task(wait_for_disconnect(request.receive))
     try:
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -312,29 +355,73 @@ async def _answer_whole(
         if not collect.done():
             collect.cancel()
     if not collect.done() or collect.cancelled():
-        await _abort(state.client, parsed.request_id)
+        await _abort(state.client, request_ids)
         return Response(status_code=STATUS_CLIENT_GONE)
     try:
-        chunks = collect.result()
+        results = collect.result()
     except StreamError as e:
-        await _abort(state.client, parsed.request_id)
+        await _abort(state.client, request_ids)
         raise _stream_failure(e) from None
-    last = chunks[-1]
-    if last.error is not None:
-        raise ApiError(500, last.error, type="server_error", code="worker_error")
-    body = build_response(parsed, state.model_name, chunks, prompt_tokens, state.token_str)
+    failed = next((c[-1] for c in results if c and c[-1].error is not None), None)
+    if failed is not None:  # a failed prompt fails the batch: the others are cut short
+        ended = [bool(c) and c[-1].is_last for c in results]
+        unfinished = [r for r, done in zip(request_ids, ended, strict=True) if not done]
+        await _abort(state.client, unfinished)
+        raise ApiError(500, failed.error, type="server_error", code="worker_error")
+    body = build_response(parsed, state.model_name, results, prompts, state.token_str)
     return JSONResponse(body)
 
 
-async def _abort(client: KvrailClient, request_id: str) -> None:
-    """Abort a request, best effort: with Redis down the abort cannot be sent, and raising
+async def _abort(client: KvrailClient, request_ids: list[str]) -> None:
+    """Abort requests, best effort: with Redis down the abort cannot be sent, and raising
     here would replace the answer the client is owed (the error) with a broken response."""
     with contextlib.suppress(RedisError):
-        await client.abort(request_id)
+        for request_id in request_ids:
+            await client.abort(request_id)
 
 
-async def _collect(chunks: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
-    return [chunk async for chunk in chunks]
+async def _collect(client: KvrailClient, request_ids: list[str]) -> list[list[TokenChunk]]:
+    """Each request's chunks, until every one has ended or one has failed."""
+    results: list[list[TokenChunk]] = [[] for _ in request_ids]
+    async with contextlib.aclosing(_merge([client.stream(r) for r in request_ids])) as chunks:
+        async for index, chunk in chunks:
+            results[index].append(chunk)
+            if chunk.error is not None:
+                break
+    return results
+
+
+async def _merge(
+    streams: list[AsyncIterator[TokenChunk]],
+) -> AsyncIterator[tuple[int, TokenChunk]]:
+    """The chunks of several streams as they come, each with its stream's index, until all
+    have ended; the first error of one is raised. Closing it stops them all."""
+    queue: asyncio.Queue[tuple[int, TokenChunk | Exception | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[TokenChunk]) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((index, chunk))
+        except Exception as e:
+            queue.put_nowait((index, e))
+        else:
+            queue.put_nowait((index, None))  # this stream has ended
+
+    pumps = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(pumps)
+        while running:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                running -= 1
+            else:
+                yield index, item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 def _stream_failure(error: StreamError) -> ApiError:
@@ -346,29 +433,40 @@ def _stream_failure(error: StreamError) -> ApiError:
 
 
 def event_stream(
-    state: ApiState, shape: StreamShape, after_seq: int, reader: str, *, knew_id: bool
+    state: ApiState, shape: StreamShape, after: list[int], reader: str, *, knew_id: bool
 ) -> EventStreamResponse:
-    """The SSE response for `shape.request_id`'s chunks after `after_seq`, ending [DONE], read
-    by `reader` (`Readers.attach`), who leaves unless the response ends with the stream;
-    `knew_id`: the reader came with the request id (else it learns it from the first event)."""
+    """The SSE response for `shape.request_id`'s chunks after `after` (per prompt, the seq of
+    the last chunk the client has), ending [DONE], read by `reader` (`Readers.attach`), who
+    leaves unless the response ends with the streams; `knew_id`: the reader came with the
+    request id (else it learns it from the first event). Every chunk is read from the first,
+    for `StreamEvents` to know what the client had."""
     finished = False
+    request_ids = shape.request_ids
 
     async def events() -> AsyncIterator[str]:
         nonlocal finished, knew_id
-        shaper = StreamEvents(shape, state.token_str, send_roles=after_seq < 0)
+        shaper = StreamEvents(shape, state.token_str, after)
+        streams = _merge([state.client.stream(r) for r in request_ids])
         try:
-            async for chunk in state.client.stream(shape.request_id, after_seq):
-                for event in shaper.for_chunk(chunk):
-                    yield event
-                    knew_id = True  # resumed once the event is sent: the client has the id
+            for event in shaper.start():
+                yield event
+                knew_id = True  # resumed once an event is sent: the client has the id
+            async with contextlib.aclosing(streams) as chunks:
+                async for index, chunk in chunks:
+                    for event in shaper.for_chunk(index, chunk):
+                        yield event
+                        knew_id = True
+                    if chunk.error is not None:  # a failed prompt ends the stream
+                        await _abort(state.client, shaper.unfinished)
+                        break
         except StreamError as e:
-            await _abort(state.client, shape.request_id)
+            await _abort(state.client, request_ids)
             yield StreamEvents.error(_stream_failure(e))
         finished = True
         yield StreamEvents.done()
 
     async def leave_unless_finished() -> None:
         if not finished:
-            await state.readers.leave(shape.request_id, reader, knew_id=knew_id)
+            await state.readers.leave(request_ids, reader, knew_id=knew_id)
 
     return EventStreamResponse(events(), leave_unless_finished)

@@ -14,17 +14,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine import apply_chat_template
 from service import metrics
 from service.generation import ApiState, event_stream, read_json, serve_generation, state_of
 from service.middleware import redis_unavailable
 from service.openai_protocol import (
     ApiError,
+    RequestBody,
     StreamShape,
     check_model,
     get_field,
     parse_chat,
+    parse_chat_template,
     parse_completion,
+    parse_event_id,
     parse_messages,
 )
 from service.openapi import openapi_document
@@ -32,34 +34,35 @@ from service.openapi import openapi_document
 
 async def completions(request: Request) -> Response:
     state = state_of(request)
-    body = await read_json(request, state.settings.max_body_bytes)
-    return await serve_generation(
-        request, parse_completion(body, state.model_name, state.vocab_size)
-    )
+    body = RequestBody(await read_json(request, state.settings.max_body_bytes))
+    return await serve_generation(request, parse_completion(body, state.parse_context))
 
 
 async def chat_completions(request: Request) -> Response:
     state = state_of(request)
-    body = await read_json(request, state.settings.max_body_bytes)
-    return await serve_generation(request, parse_chat(body, state.model_name, state.vocab_size))
+    body = RequestBody(await read_json(request, state.settings.max_body_bytes))
+    return await serve_generation(request, parse_chat(body, state.parse_context))
 
 
 async def resume_stream(request: Request) -> Response:
     """Re-attach to a streaming request: the chunks after `Last-Event-ID` (default: all)."""
     state = state_of(request)
     request_id = request.path_params["request_id"]
-    last_event_id = request.headers.get("last-event-id", "-1").strip()
-    try:
-        after_seq = int(last_event_id)
-    except ValueError:
-        raise ApiError(400, "Last-Event-ID must be an integer seq", param="Last-Event-ID") from None
-    if after_seq < -1:
-        raise ApiError(400, "Last-Event-ID must be >= -1", param="Last-Event-ID")
+    after = parse_event_id(request.headers.get("last-event-id", "-1"))
     stored = await state.client.sse_shape(request_id)
     if stored is None:
         raise ApiError(404, f"No stream for request '{request_id}' (unknown or expired)")
-    reader = await state.readers.attach(request_id)
-    return event_stream(state, StreamShape.from_json(stored), after_seq, reader, knew_id=True)
+    shape = StreamShape.from_json(stored)
+    if after == [-1]:  # none given (or -1): from the start, whatever the prompts
+        after *= shape.num_prompts
+    if len(after) != shape.num_prompts:
+        raise ApiError(
+            400,
+            f"Last-Event-ID must hold {shape.num_prompts} seqs, one per prompt",
+            param="Last-Event-ID",
+        )
+    reader = await state.readers.attach(shape.request_ids)
+    return event_stream(state, shape, after, reader, knew_id=True)
 
 
 async def list_models(request: Request) -> Response:
@@ -127,17 +130,10 @@ async def tokenize(request: Request) -> Response:
 
 async def _tokenize_messages(state: ApiState, body: dict[str, Any]) -> list[int]:
     messages = parse_messages(body["messages"])
-    add_generation_prompt = get_field(body, "add_generation_prompt", (bool,), True)
+    chat_template = parse_chat_template(body, state.parse_context)
     add_special = get_field(body, "add_special_tokens", (bool,), False)
     try:
-        _, tokens = await asyncio.to_thread(
-            apply_chat_template,
-            state.tokenizer,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            add_special_tokens=add_special,
-        )
-        return tokens
+        return await asyncio.to_thread(chat_template.apply, state.tokenizer, messages, add_special)
     except Exception as e:  # a chat template can raise anything
         raise ApiError(400, f"Cannot apply the chat template: {e}", param="messages") from None
 
@@ -148,7 +144,8 @@ async def detokenize(request: Request) -> Response:
     check_model(body, state.model_name, required=False)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < state.vocab_size for t in tokens
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < state.parse_context.vocab_size
+        for t in tokens
     ):
         raise ApiError(400, "'tokens' must be an array of token ids", param="tokens")
     return JSONResponse({"prompt": await asyncio.to_thread(state.tokenizer.decode, tokens)})

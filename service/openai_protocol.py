@@ -3,6 +3,12 @@
 Parsing turns a JSON body into a `ParsedRequest` (wire sampling fields validated by
 `SamplingParams`) or raises `ApiError` naming the parameter. Shaping turns `TokenChunk`s into
 OpenAI's `text_completion` / `chat.completion` objects and their streaming chunks.
+
+A field the parser does not know is refused (400 naming it), or with `KVRAIL_UNKNOWN_FIELDS=warn`
+logged and ignored: a field that is accepted takes effect. The known fields are the ones the
+parser reads (`RequestBody`), so the parser is their only list. A completion's `prompt` may be
+a batch: each prompt is its own engine request (`engine_request_ids`), and its choices are
+numbered `prompt_index * n + i`, as vLLM does.
 """
 
 from __future__ import annotations
@@ -14,8 +20,19 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
-from engine import MAX_LOGPROBS, SamplingParams, sampling_fields
+import structlog
+
+from engine import (
+    MAX_LOGPROBS,
+    FinishReason,
+    SamplingParams,
+    TokenBytes,
+    apply_chat_template,
+    sampling_fields,
+)
 from queueing.schema import TokenChunk
+
+log = structlog.get_logger("kvrail.api")
 
 Kind = Literal["chat", "completion"]
 _MISSING = object()
@@ -26,6 +43,17 @@ PARSED_APART = ("max_tokens", "logprobs", "stop", "stop_token_ids", "logit_bias"
 _PLAIN_FIELDS = {
     name: spec.kinds for name, spec in sampling_fields().items() if name not in PARSED_APART
 }
+# Fields of features still to come, refused by name ("not supported yet") until each is
+# parsed: structured outputs on both endpoints (with `response_format` beyond "text"), tool
+# calls on chat.
+_STRUCTURED_OUTPUT_FIELDS = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions")
 
 
 class ApiError(Exception):
@@ -60,6 +88,67 @@ class ApiError(Exception):
         }
 
 
+class RequestBody(dict):
+    """A request's JSON object that notes each field its parser looks up (`get`, `[]`, `in`).
+
+    An endpoint knows the fields its parser reads, so a parser must look up every field it
+    knows whatever the others hold; the fields never looked up are `unread`."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(body)
+        self.read: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+    def unread(self) -> list[str]:
+        return [name for name in self if name not in self.read]
+
+
+@dataclass(frozen=True)
+class ParseContext:
+    """What parsing needs to know of the server: the model served, its vocabulary size, the
+    variables its chat template reads (`engine.chat_template_variables`), and what to do
+    with an unknown field (`Settings.unknown_fields`: "reject" or "warn")."""
+
+    model: str
+    vocab_size: int
+    template_variables: frozenset[str]
+    unknown_fields: str
+
+
+@dataclass
+class ChatTemplate:
+    """How a conversation is rendered: vLLM's `add_generation_prompt` (the assistant's turn
+    opened), `continue_final_message` (the last message left open, without its end of turn,
+    for the model to continue it) and `chat_template_kwargs` (template variables)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def apply(
+        self, tokenizer: Any, messages: list[dict[str, str]], add_special_tokens: bool = False
+    ) -> list[int]:
+        return apply_chat_template(
+            tokenizer,
+            messages,
+            add_generation_prompt=self.add_generation_prompt,
+            add_special_tokens=add_special_tokens,
+            continue_final_message=self.continue_final_message,
+            **self.kwargs,
+        )[1]
+
+
 @dataclass
 class ParsedRequest:
     """A validated generation request, before tokenization."""
@@ -69,10 +158,26 @@ class ParsedRequest:
     sampling: dict[str, Any]  # wire sampling fields (queueing.schema.SAMPLING_FIELDS)
     stream: bool
     include_usage: bool
-    prompt: str | None = None  # completions: text to tokenize with special tokens
-    prompt_token_ids: list[int] | None = None  # completions: given as token ids
-    messages: list[dict[str, str]] | None = None  # chat: rendered by the chat template
+    # completions: one engine request per prompt, text (tokenized with special tokens) or ids
+    prompts: list[str | list[int]] = field(default_factory=list)
+    messages: list[dict[str, str]] | None = None  # chat: rendered by `chat_template`
+    chat_template: ChatTemplate | None = None
+    echo: bool = False  # completions: each choice's text (and logprobs) begin with its prompt
+    # echo with max_tokens 0: the engine, whose minimum is 1, samples one token that is
+    # dropped, as vLLM does; the prompt's logprobs are what such a request is for
+    echo_only: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def engine_request_ids(self) -> list[str]:
+        return engine_request_ids(self.request_id, max(1, len(self.prompts)))
+
+
+def engine_request_ids(request_id: str, num_prompts: int) -> list[str]:
+    """The engine requests of an HTTP request: its own id for one prompt, else one per prompt."""
+    if num_prompts == 1:
+        return [request_id]
+    return [f"{request_id}-{p}" for p in range(num_prompts)]
 
 
 # ---- parsing -----------------------------------------------------------------------------------
@@ -117,6 +222,18 @@ def check_model(body: dict[str, Any], served_model: str, required: bool = True) 
             param="model",
             code="model_not_found",
         )
+
+
+def _unknown(names: list[str], policy: str, where: str = "") -> None:
+    """Refuse the unknown `names` (400 naming the first), or with policy "warn" log them."""
+    if not names:
+        return
+    params = [where + name for name in names]
+    if policy == "warn":
+        log.warning("unknown request fields ignored", fields=params)
+        return
+    listed = ", ".join(f"'{p}'" for p in params)
+    raise ApiError(400, f"Unknown parameter: {listed}.", param=params[0], code="unknown_parameter")
 
 
 def _parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int) -> dict:
@@ -187,15 +304,25 @@ def _check_prompt_logprobs_stream(sampling: dict[str, Any], stream: bool) -> Non
 def _reject_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
     for name in names:
         if body.get(name) not in (None, False, [], ""):
-            raise ApiError(400, f"'{name}' is not supported by this server", param=name)
+            raise ApiError(400, f"'{name}' is not supported yet", param=name)
+    response_format = get_field(body, "response_format", (dict,))
+    if response_format is not None and response_format.get("type") != "text":
+        raise ApiError(
+            400,
+            "'response_format' is not supported yet beyond type 'text'",
+            param="response_format",
+        )
 
 
-def parse_completion(body: dict[str, Any], served_model: str, vocab_size: int) -> ParsedRequest:
-    """Validate a /v1/completions body (one prompt: text or token ids)."""
-    check_model(body, served_model)
-    _reject_unsupported(body, ("echo", "suffix"))
-    prompt, prompt_ids = _parse_prompt(body.get("prompt", _MISSING), vocab_size)
-    sampling = _parse_sampling(body, get_field(body, "max_tokens", (int,), 16), vocab_size)
+def parse_completion(body: RequestBody, context: ParseContext) -> ParsedRequest:
+    """Validate a /v1/completions body: a prompt (text or token ids) or a batch of them."""
+    check_model(body, context.model)
+    _reject_unsupported(body, ("suffix", *_STRUCTURED_OUTPUT_FIELDS))
+    prompts = _parse_prompts(body.get("prompt", _MISSING), context.vocab_size)
+    echo = get_field(body, "echo", (bool,), False)
+    max_tokens = get_field(body, "max_tokens", (int,), 16)
+    echo_only = echo and max_tokens == 0
+    sampling = _parse_sampling(body, 1 if echo_only else max_tokens, context.vocab_size)
     best_of = get_field(body, "best_of", (int,))
     if best_of is not None and best_of != sampling.get("n", 1):
         raise ApiError(400, "'best_of' other than n is not supported", param="best_of")
@@ -205,49 +332,61 @@ def parse_completion(body: dict[str, Any], served_model: str, vocab_size: int) -
             raise ApiError(400, f"'logprobs' must be in [0, {MAX_LOGPROBS}]", param="logprobs")
         sampling["logprobs"] = logprobs
     stream, include_usage = _parse_stream(body)
+    if echo and logprobs is not None:
+        # The prompt's logprobs lead the choice's: as vLLM, top-`logprobs` unless asked
+        # otherwise, and like any prompt logprobs never streamed.
+        if stream:
+            raise ApiError(
+                400, "'echo' with 'logprobs' is not available with stream=true", param="echo"
+            )
+        sampling.setdefault("prompt_logprobs", logprobs)
     _check_prompt_logprobs_stream(sampling, stream)
+    _unknown(body.unread(), context.unknown_fields)
     return ParsedRequest(
         "completion",
         f"cmpl-{uuid.uuid4().hex}",
         sampling,
         stream,
         include_usage,
-        prompt,
-        prompt_ids,
+        prompts,
+        echo=echo,
+        echo_only=echo_only,
     )
 
 
-def _parse_prompt(value: Any, vocab_size: int) -> tuple[str | None, list[int] | None]:
-    # One prompt only: a batch would be several requests behind one response.
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
+def _parse_prompts(value: Any, vocab_size: int) -> list[str | list[int]]:
+    """A prompt, or a batch: an array of prompts (strings or token-id arrays)."""
+    if value is _MISSING:
+        raise ApiError(400, "'prompt' is required", param="prompt")
+    is_batch = isinstance(value, list) and value and all(isinstance(p, str | list) for p in value)
+    return [_parse_prompt(p, vocab_size) for p in (value if is_batch else [value])]
+
+
+def _parse_prompt(value: Any, vocab_size: int) -> str | list[int]:
     if isinstance(value, str):
         if not value:
             raise ApiError(400, "'prompt' must not be empty", param="prompt")
-        return value, None
+        return value
     if isinstance(value, list) and value:
-        return None, _check_vocab(_int_list(value, "prompt"), vocab_size, "prompt")
-    if value is _MISSING:
-        raise ApiError(400, "'prompt' is required", param="prompt")
+        return _check_vocab(_int_list(value, "prompt"), vocab_size, "prompt")
     raise ApiError(
-        400, "'prompt' must be one non-empty string or array of token ids", param="prompt"
+        400,
+        "'prompt' must be a non-empty string or array of token ids, or an array of those",
+        param="prompt",
     )
 
 
-def parse_chat(body: dict[str, Any], served_model: str, vocab_size: int) -> ParsedRequest:
+def parse_chat(body: RequestBody, context: ParseContext) -> ParsedRequest:
     """Validate a /v1/chat/completions body (text messages only, no tools)."""
-    check_model(body, served_model)
-    _reject_unsupported(body, ("tools", "functions", "audio"))
-    response_format = get_field(body, "response_format", (dict,))
-    if response_format is not None and response_format.get("type") != "text":
-        raise ApiError(
-            400, "only response_format type 'text' is supported", param="response_format"
-        )
+    check_model(body, context.model)
+    _reject_unsupported(body, ("audio", *_TOOL_FIELDS, *_STRUCTURED_OUTPUT_FIELDS))
     messages = parse_messages(body.get("messages", _MISSING))
-    max_tokens = get_field(body, "max_completion_tokens", (int,))
-    if max_tokens is None:
-        max_tokens = get_field(body, "max_tokens", (int,))
-    sampling = _parse_sampling(body, max_tokens, vocab_size)
+    chat_template = parse_chat_template(body, context)
+    max_completion_tokens = get_field(body, "max_completion_tokens", (int,))
+    max_tokens = get_field(body, "max_tokens", (int,))
+    if max_completion_tokens is not None:
+        max_tokens = max_completion_tokens
+    sampling = _parse_sampling(body, max_tokens, context.vocab_size)
     want_logprobs = get_field(body, "logprobs", (bool,), False)
     top_logprobs = get_field(body, "top_logprobs", (int,))
     if top_logprobs is not None:
@@ -261,9 +400,38 @@ def parse_chat(body: dict[str, Any], served_model: str, vocab_size: int) -> Pars
         sampling["logprobs"] = top_logprobs or 0
     stream, include_usage = _parse_stream(body)
     _check_prompt_logprobs_stream(sampling, stream)
+    _unknown(body.unread(), context.unknown_fields)
     return ParsedRequest(
-        "chat", f"chatcmpl-{uuid.uuid4().hex}", sampling, stream, include_usage, messages=messages
+        "chat",
+        f"chatcmpl-{uuid.uuid4().hex}",
+        sampling,
+        stream,
+        include_usage,
+        messages=messages,
+        chat_template=chat_template,
     )
+
+
+def parse_chat_template(body: dict[str, Any], context: ParseContext) -> ChatTemplate:
+    """The chat template options of a body (chat completions, /tokenize with messages).
+    `add_generation_prompt` defaults to true, or to false with `continue_final_message`; both
+    true is refused, as vLLM does. A `chat_template_kwargs` key the template does not read
+    is an unknown field (`ParseContext.unknown_fields`)."""
+    continue_final = get_field(body, "continue_final_message", (bool,), False)
+    add_generation_prompt = get_field(body, "add_generation_prompt", (bool,), not continue_final)
+    if continue_final and add_generation_prompt:
+        raise ApiError(
+            400,
+            "'continue_final_message' cannot be combined with add_generation_prompt=true",
+            param="continue_final_message",
+        )
+    kwargs = get_field(body, "chat_template_kwargs", (dict,), {})
+    variables = context.template_variables
+    _unknown(
+        [k for k in kwargs if k not in variables], context.unknown_fields, "chat_template_kwargs."
+    )
+    kwargs = {k: v for k, v in kwargs.items() if k in variables}
+    return ChatTemplate(add_generation_prompt, continue_final, kwargs)
 
 
 def parse_messages(value: Any) -> list[dict[str, str]]:
@@ -300,41 +468,65 @@ def _message_text(message: dict[str, Any]) -> str:
 
 
 class TokenStrings:
-    """Token id -> its text, as OpenAI's logprobs show tokens (cached per id)."""
+    """Token id -> its text, as OpenAI's logprobs show tokens (cached per id); `bytes`: its
+    bytes in the vocabulary (`engine.TokenBytes`), whole even where the text is U+FFFD."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._text = lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id]))
+        self.bytes = TokenBytes(tokenizer)
 
     def __call__(self, token_id: int) -> str:
         return self._text(token_id)
 
 
-def chat_logprobs(chunk: TokenChunk, token_str: TokenStrings) -> list[dict[str, Any]]:
-    """`choices[].logprobs.content` entries for the tokens of one chunk."""
+@dataclass
+class Prompt:
+    """One prompt as its engine request has it, and the text `echo` repeats (None without)."""
+
+    token_ids: list[int]
+    echo: str | None = None
+
+
+def _finite(logprob: float) -> float:
+    """-inf is not JSON: vLLM clamps it to -9999.0, as OpenAI does."""
+    return max(float(logprob), -9999.0)
+
+
+def chat_logprobs(
+    chunk: TokenChunk, token_str: TokenStrings, top_logprobs: int
+) -> list[dict[str, Any]]:
+    """`choices[].logprobs.content` entries for the tokens of one chunk: each sampled token
+    with the `top_logprobs` most likely ones at its position."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_str(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        token_id = int(token_id)
+        return {
+            "token": token_str(token_id),
+            "logprob": float(logprob),
+            "bytes": list(token_str.bytes(token_id)),
+        }
 
     content = []
     for per_token in chunk.logprobs or []:
-        (sampled_id, sampled_lp), *top = per_token
-        item = entry(int(sampled_id), float(sampled_lp))
-        item["top_logprobs"] = [entry(int(t), float(lp)) for t, lp in top]
+        (sampled_id, sampled_lp), *others = per_token
+        # The engine's entries are the sampled token, then the top ones without it: k + 1
+        # of them when it is not among the top k, k when it is (then it is one of them).
+        top = others if len(per_token) > top_logprobs else sorted(per_token, key=lambda e: -e[1])
+        item = entry(sampled_id, sampled_lp)
+        item["top_logprobs"] = [entry(t, lp) for t, lp in top]
         content.append(item)
     return content
+
+
+def _legacy_logprobs() -> dict[str, list[Any]]:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
 def completion_logprobs(
     chunk: TokenChunk, token_str: TokenStrings, text_offset: int
 ) -> dict[str, list[Any]]:
     """OpenAI's legacy logprobs object for the tokens of one chunk, offsets from `text_offset`."""
-    result: dict[str, list[Any]] = {
-        "tokens": [],
-        "token_logprobs": [],
-        "top_logprobs": [],
-        "text_offset": [],
-    }
+    result = _legacy_logprobs()
     for per_token in chunk.logprobs or []:
         sampled_id, sampled_lp = per_token[0]
         text = token_str(int(sampled_id))
@@ -346,24 +538,45 @@ def completion_logprobs(
     return result
 
 
+def echo_logprobs(
+    prompt: Prompt, wire: list[list[list[int | float]] | None] | None, token_str: TokenStrings
+) -> dict[str, list[Any]]:
+    """The legacy logprobs of an echoed prompt's tokens, from its wire prompt logprobs: null
+    at position 0 (nothing comes before it), then the prompt's token and the top ones; all
+    null when the request was aborted before its prompt was computed (`wire` None)."""
+    result, offset = _legacy_logprobs(), 0
+    positions = wire if wire is not None else [None] * len(prompt.token_ids)
+    for token_id, position in zip(prompt.token_ids, positions, strict=True):
+        text = token_str(token_id)
+        result["tokens"].append(text)
+        result["token_logprobs"].append(None if position is None else _finite(position[0][1]))
+        result["top_logprobs"].append(
+            None
+            if position is None
+            else {token_str(int(t)): _finite(lp) for t, lp, _rank in position}
+        )
+        result["text_offset"].append(offset)
+        offset += len(text)
+    return result
+
+
+def _wire_prompt_logprobs(chunks: list[TokenChunk]) -> list[list[list[int | float]] | None] | None:
+    """A request's prompt logprobs, from the chunk that carries them."""
+    return next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
+
+
 def prompt_logprobs_json(
-    chunks: list[TokenChunk], token_str: TokenStrings
+    wire: list[list[list[int | float]] | None] | None, token_str: TokenStrings
 ) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's `prompt_logprobs`: per prompt position, null at 0, then {"<token id>": {logprob,
-    rank, decoded_token}} with the prompt's token first; from the chunk that carries them."""
-    wire = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
+    rank, decoded_token}} with the prompt's token first."""
     if wire is None:
         return None
     return [
         None
         if position is None
         else {
-            str(t): {
-                # -inf is not JSON: vLLM clamps to -9999.0 as OpenAI does.
-                "logprob": max(float(lp), -9999.0),
-                "rank": int(rank),
-                "decoded_token": token_str(int(t)),
-            }
+            str(t): {"logprob": _finite(lp), "rank": int(rank), "decoded_token": token_str(int(t))}
             for t, lp, rank in position
         }
         for position in wire
@@ -385,6 +598,14 @@ def completion_tokens_of(last: TokenChunk, chunks: list[TokenChunk]) -> int:
     return sum(len(c.token_ids) for c in chunks)
 
 
+def _finish(chunk: TokenChunk, echo_only: bool) -> tuple[str | None, int | str | None]:
+    """A chunk's finish and stop reasons; echo only, the dropped token cannot have stopped
+    anything: max_tokens 0 is reached before it."""
+    if echo_only and chunk.finish_reason == FinishReason.STOP:
+        return FinishReason.LENGTH, None
+    return chunk.finish_reason, chunk.stop_reason
+
+
 @dataclass
 class _Choice:
     text: list[str] = field(default_factory=list)
@@ -396,65 +617,79 @@ class _Choice:
 def build_response(
     parsed: ParsedRequest,
     model: str,
-    chunks: list[TokenChunk],
-    prompt_tokens: int,
+    results: list[list[TokenChunk]],
+    prompts: list[Prompt],
     token_str: TokenStrings,
 ) -> dict[str, Any]:
-    """The non-streaming response object from all of a request's chunks."""
-    choices: dict[int, _Choice] = {i: _Choice() for i in range(parsed.sampling.get("n", 1))}
-    for chunk in chunks:
-        choice = choices.setdefault(chunk.index, _Choice())
-        choice.text.append(chunk.text)
-        if chunk.logprobs:
-            choice.logprob_chunks.append(chunk)
-        if chunk.finish_reason is not None:
-            choice.finish_reason, choice.stop_reason = chunk.finish_reason, chunk.stop_reason
-    want_logprobs = "logprobs" in parsed.sampling
-    out = [
-        _response_choice(parsed.kind, index, c, want_logprobs, token_str)
-        for index, c in sorted(choices.items())
-    ]
+    """The non-streaming response object from all chunks of each prompt's engine request."""
+    n = parsed.sampling.get("n", 1)
+    out, completion_tokens = [], 0
+    for p, (prompt, chunks) in enumerate(zip(prompts, results, strict=True)):
+        choices = {i: _Choice() for i in range(n)}
+        for chunk in chunks:
+            choice = choices.setdefault(chunk.index, _Choice())
+            if not parsed.echo_only:
+                choice.text.append(chunk.text)
+                if chunk.logprobs:
+                    choice.logprob_chunks.append(chunk)
+            if chunk.finish_reason is not None:
+                choice.finish_reason, choice.stop_reason = _finish(chunk, parsed.echo_only)
+        wire = _wire_prompt_logprobs(chunks)
+        for i, choice in sorted(choices.items()):
+            shaped = _response_choice(parsed, p * n + i, choice, prompt, wire, token_str)
+            # As vLLM: on each choice of a completion, once at the top of a chat completion.
+            if "prompt_logprobs" in parsed.sampling and parsed.kind == "completion":
+                shaped["prompt_logprobs"] = prompt_logprobs_json(wire, token_str)
+            out.append(shaped)
+        if not parsed.echo_only:
+            completion_tokens += completion_tokens_of(chunks[-1], chunks)
     response = {
         "id": parsed.request_id,
         "object": "chat.completion" if parsed.kind == "chat" else "text_completion",
         "created": parsed.created,
         "model": model,
         "choices": out,
-        "usage": make_usage(prompt_tokens, completion_tokens_of(chunks[-1], chunks)),
+        "usage": make_usage(sum(len(p.token_ids) for p in prompts), completion_tokens),
     }
-    if "prompt_logprobs" in parsed.sampling:
-        # As vLLM: on each choice of a completion, once at the top of a chat completion.
-        prompt_logprobs = prompt_logprobs_json(chunks, token_str)
-        if parsed.kind == "chat":
-            response["prompt_logprobs"] = prompt_logprobs
-        else:
-            for choice in out:
-                choice["prompt_logprobs"] = prompt_logprobs
+    if "prompt_logprobs" in parsed.sampling and parsed.kind == "chat":
+        response["prompt_logprobs"] = prompt_logprobs_json(
+            _wire_prompt_logprobs(results[0]), token_str
+        )
     return response
 
 
 def _response_choice(
-    kind: Kind, index: int, choice: _Choice, want_logprobs: bool, token_str: TokenStrings
+    parsed: ParsedRequest,
+    index: int,
+    choice: _Choice,
+    prompt: Prompt,
+    wire: list[list[list[int | float]] | None] | None,
+    token_str: TokenStrings,
 ) -> dict[str, Any]:
     text = "".join(choice.text)
     common = {"index": index, "finish_reason": choice.finish_reason}
     common["stop_reason"] = choice.stop_reason
-    if kind == "chat":
+    top = parsed.sampling.get("logprobs")
+    if parsed.kind == "chat":
         logprobs = None
-        if want_logprobs:
-            content = [e for c in choice.logprob_chunks for e in chat_logprobs(c, token_str)]
+        if top is not None:
+            content = [e for c in choice.logprob_chunks for e in chat_logprobs(c, token_str, top)]
             logprobs = {"content": content, "refusal": None}
         message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
         return {**common, "message": message, "logprobs": logprobs}
-    logprobs = None
-    if want_logprobs:
-        logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
+    logprobs, offset = None, 0
+    if top is not None:
+        logprobs = _legacy_logprobs()
+        if prompt.echo is not None:  # the prompt's tokens first, then the generated ones
+            logprobs = echo_logprobs(prompt, wire, token_str)
+            offset = len(prompt.echo)
         for chunk in choice.logprob_chunks:
             part = completion_logprobs(chunk, token_str, offset)
             for key, values in part.items():
                 logprobs[key].extend(values)
             offset += sum(len(t) for t in part["tokens"])
+    if prompt.echo is not None:
+        text = prompt.echo + text
     return {**common, "text": text, "logprobs": logprobs}
 
 
@@ -467,7 +702,16 @@ class StreamShape:
     model: str
     created: int
     include_usage: bool
-    prompt_tokens: int
+    prompt_tokens: int  # of every prompt
+    num_prompts: int = 1
+    n: int = 1
+    top_logprobs: int | None = None  # the sampling's logprobs: None when not asked
+    echo: list[str] | None = None  # per prompt, the text its choices begin with
+    echo_only: bool = False
+
+    @property
+    def request_ids(self) -> list[str]:
+        return engine_request_ids(self.request_id, self.num_prompts)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -477,7 +721,26 @@ class StreamShape:
         return cls(**json.loads(text))
 
 
-def sse(payload: dict[str, Any] | str, event_id: int | None = None, event: str | None = None):
+def event_id(seqs: list[int]) -> str:
+    """An SSE event's id: per prompt, the seq of its last chunk sent (-1: none yet), joined by
+    '.'; so for one prompt, the chunk's seq. `Last-Event-ID` gives it back to resume."""
+    return ".".join(map(str, seqs))
+
+
+def parse_event_id(text: str) -> list[int]:
+    """The per-prompt seqs of a `Last-Event-ID` (`event_id`); raises ApiError naming it."""
+    try:
+        seqs = [int(part) for part in text.strip().split(".")]
+    except ValueError:
+        raise ApiError(
+            400, "Last-Event-ID must be an event id (seqs joined by '.')", param="Last-Event-ID"
+        ) from None
+    if min(seqs) < -1:
+        raise ApiError(400, "Last-Event-ID must hold seqs >= -1", param="Last-Event-ID")
+    return seqs
+
+
+def sse(payload: dict[str, Any] | str, event_id: str | None = None, event: str | None = None):
     """One Server-Sent Event; dict payloads are JSON."""
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     head = f"id: {event_id}\n" if event_id is not None else ""
@@ -486,15 +749,23 @@ def sse(payload: dict[str, Any] | str, event_id: int | None = None, event: str |
 
 
 class StreamEvents:
-    """Turns one request's chunks into OpenAI's streaming events, in order."""
+    """Turns the chunks of a request's engine requests into OpenAI's streaming events.
 
-    def __init__(self, shape: StreamShape, token_str: TokenStrings, send_roles: bool) -> None:
+    It is given every chunk from the first, as they come from each prompt's engine request,
+    and returns events only for those after `after` (per prompt, the last seq the client
+    has), so a resumed stream knows what came before: each choice's role delta (chat) comes
+    before its first chunk sent, its text offsets continue, and the usage counts every
+    chunk. A fresh stream begins with each choice's echoed prompt, if asked.
+    """
+
+    def __init__(self, shape: StreamShape, token_str: TokenStrings, after: list[int]) -> None:
         self.shape = shape
         self.token_str = token_str
-        self.send_roles = send_roles and shape.kind == "chat"
-        self.role_sent: set[int] = set()
+        self.after = after
+        self.sent = list(after)  # per prompt, the seq of the last chunk the client has
+        self.started: set[int] = set()  # choices whose first chunk was seen
         self.text_offsets: dict[int, int] = {}
-        self.chunks: list[TokenChunk] = []
+        self.chunks: list[list[TokenChunk]] = [[] for _ in range(shape.num_prompts)]
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.shape.kind == "chat" else "text_completion"
@@ -509,42 +780,77 @@ class StreamEvents:
             envelope["usage"] = None
         return envelope
 
-    def for_chunk(self, chunk: TokenChunk) -> list[str]:
-        """The events for one chunk: a role delta first for a choice's first chunk (chat)."""
-        self.chunks.append(chunk)
-        if chunk.error is not None:
-            error = ApiError(500, chunk.error, type="server_error", code="worker_error")
-            return [sse(error.body(), chunk.seq, event="error")]
+    def start(self) -> list[str]:
+        """The events before any chunk: with echo, each choice's prompt, unless the client
+        has had them (it has had a chunk since)."""
+        if self.shape.echo is None or max(self.after) >= 0:
+            return []
         events = []
-        if self.send_roles and chunk.index not in self.role_sent:
-            self.role_sent.add(chunk.index)
-            delta = {"role": "assistant", "content": ""}
-            choice = {"index": chunk.index, "delta": delta, "logprobs": None, "finish_reason": None}
-            events.append(sse(self._envelope([choice])))
-        events.append(sse(self._envelope([self._choice(chunk)]), chunk.seq))
-        if chunk.is_last and self.shape.include_usage:
-            events.append(sse(self._usage_event(chunk)))
+        for p, text in enumerate(self.shape.echo):
+            for i in range(self.shape.n):
+                choice = {"index": p * self.shape.n + i, "text": text, "logprobs": None}
+                choice |= {"finish_reason": None, "stop_reason": None}
+                events.append(sse(self._envelope([choice])))
         return events
 
-    def _choice(self, chunk: TokenChunk) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": chunk.index}
+    @property
+    def unfinished(self) -> list[str]:
+        """The engine requests whose last chunk has not come."""
+        return [
+            request_id
+            for request_id, chunks in zip(self.shape.request_ids, self.chunks, strict=True)
+            if not (chunks and chunks[-1].is_last)
+        ]
+
+    def for_chunk(self, prompt_index: int, chunk: TokenChunk) -> list[str]:
+        """The events for one chunk of prompt `prompt_index`'s engine request: none when the
+        client has it; a role delta first for a choice's first chunk (chat)."""
+        self.chunks[prompt_index].append(chunk)
+        index = prompt_index * self.shape.n + chunk.index
+        first = index not in self.started
+        self.started.add(index)
+        offset = self.text_offsets.get(index, 0)
+        self.text_offsets[index] = offset + len(chunk.text)
+        if chunk.seq <= self.after[prompt_index]:
+            return []
+        self.sent[prompt_index] = chunk.seq
+        if chunk.error is not None:
+            error = ApiError(500, chunk.error, type="server_error", code="worker_error")
+            return [sse(error.body(), event_id(self.sent), event="error")]
+        events = []
+        if first and self.shape.kind == "chat":
+            delta = {"role": "assistant", "content": ""}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            events.append(sse(self._envelope([choice])))
+        events.append(
+            sse(self._envelope([self._choice(index, chunk, offset)]), event_id(self.sent))
+        )
+        if chunk.is_last and self.shape.include_usage and not self.unfinished:
+            events.append(sse(self._usage_event()))
+        return events
+
+    def _choice(self, index: int, chunk: TokenChunk, offset: int) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         if self.shape.kind == "chat":
             choice["delta"] = {"content": chunk.text} if chunk.text else {}
-            lps = {"content": chat_logprobs(chunk, self.token_str)} if chunk.logprobs else None
-            choice["logprobs"] = lps
+            choice["logprobs"] = None
+            if chunk.logprobs:
+                content = chat_logprobs(chunk, self.token_str, self.shape.top_logprobs)
+                choice["logprobs"] = {"content": content}
         else:
-            choice["text"] = chunk.text
-            offset = self.text_offsets.get(chunk.index, 0)
-            choice["logprobs"] = (
-                completion_logprobs(chunk, self.token_str, offset) if chunk.logprobs else None
-            )
-            self.text_offsets[chunk.index] = offset + len(chunk.text)
-        choice["finish_reason"] = chunk.finish_reason
-        choice["stop_reason"] = chunk.stop_reason
+            dropped = self.shape.echo_only  # the one token sampled for max_tokens 0
+            choice["text"] = "" if dropped else chunk.text
+            choice["logprobs"] = None
+            if chunk.logprobs and not dropped:
+                choice["logprobs"] = completion_logprobs(chunk, self.token_str, offset)
+        choice["finish_reason"], choice["stop_reason"] = _finish(chunk, self.shape.echo_only)
         return choice
 
-    def _usage_event(self, last: TokenChunk) -> dict[str, Any]:
-        usage = make_usage(self.shape.prompt_tokens, completion_tokens_of(last, self.chunks))
+    def _usage_event(self) -> dict[str, Any]:
+        completion_tokens = 0
+        if not self.shape.echo_only:
+            completion_tokens = sum(completion_tokens_of(c[-1], c) for c in self.chunks)
+        usage = make_usage(self.shape.prompt_tokens, completion_tokens)
         return {**self._envelope([]), "usage": usage}
 
     @staticmethod

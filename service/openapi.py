@@ -69,7 +69,23 @@ _SAMPLING = {
     "stream_options": _nullable(
         {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}
     ),
-    "user": {"type": "string"},
+}
+# Fields of features still to come: accepted only as their "off" values until then (others
+# are refused with "not supported yet"), and never as unknown fields.
+_NOT_YET = {
+    "anyOf": [
+        {"type": "null"},
+        {"const": False},
+        {"const": ""},
+        {"type": "array", "maxItems": 0},
+    ]
+}
+_STRUCTURED_OUTPUTS = {
+    "structured_outputs": _NOT_YET,
+    **{f"guided_{kind}": _NOT_YET for kind in ("json", "regex", "choice", "grammar")},
+    "response_format": _nullable(
+        {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}}
+    ),
 }
 _USAGE = {
     "type": "object",
@@ -98,24 +114,29 @@ _ERROR = {
 _COMPLETION_REQUEST = {
     "type": "object",
     "required": ["model", "prompt"],
+    # Unknown fields are refused (400 naming them) unless KVRAIL_UNKNOWN_FIELDS=warn.
+    "additionalProperties": False,
     "properties": {
         **_SAMPLING,
+        **_STRUCTURED_OUTPUTS,
+        # A batch (an array of prompts) is one engine request per prompt; its choices are
+        # numbered prompt_index * n + i.
         "prompt": {
             "anyOf": [
                 {"type": "string", "minLength": 1},
-                {
-                    "type": "array",
-                    "items": {"type": "string", "minLength": 1},
-                    "minItems": 1,
-                    "maxItems": 1,
-                },
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
                 _TOKEN_IDS,
-                {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1},
+                {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
             ]
         },
+        # 0 only with echo: the prompt (and with logprobs, its logprobs) and nothing more
+        "max_tokens": _nullable(
+            {"type": "integer", **sampling_fields()["max_tokens"].bounds, "minimum": 0}
+        ),
         "logprobs": _sampling_field("logprobs"),
-        "echo": {"type": "boolean", "const": False},
+        "echo": _nullable({"type": "boolean"}),
         "best_of": {"type": "null"},
+        "suffix": _NOT_YET,
     },
 }
 _MESSAGE = {
@@ -141,11 +162,24 @@ _MESSAGE = {
         },
     },
 }
+# vLLM's chat template options; add_generation_prompt defaults to true, to false with
+# continue_final_message (both true: 400). chat_template_kwargs: variables the model's chat
+# template reads (another key is an unknown field).
+_CHAT_TEMPLATE_OPTIONS = {
+    "add_generation_prompt": _nullable({"type": "boolean"}),
+    "continue_final_message": _nullable({"type": "boolean"}),
+    "chat_template_kwargs": _nullable({"type": "object"}),
+}
 _CHAT_REQUEST = {
     "type": "object",
     "required": ["model", "messages"],
+    "additionalProperties": False,
     "properties": {
         **_SAMPLING,
+        **_STRUCTURED_OUTPUTS,
+        **_CHAT_TEMPLATE_OPTIONS,
+        **{name: _NOT_YET for name in ("tools", "tool_choice", "parallel_tool_calls")},
+        **{name: _NOT_YET for name in ("functions", "audio")},
         "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
         "max_completion_tokens": _sampling_field("max_tokens"),
         "logprobs": {"type": "boolean"},
@@ -260,7 +294,7 @@ _SCHEMAS = {
                 "properties": {
                     "model": {"type": "string"},
                     "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
-                    "add_generation_prompt": {"type": "boolean"},
+                    **_CHAT_TEMPLATE_OPTIONS,
                     "add_special_tokens": {"type": "boolean"},
                     "return_token_strs": {"type": "boolean"},
                 },
@@ -298,7 +332,8 @@ _SCHEMAS = {
 }
 
 _ERROR_TEXT = {
-    "400": "Malformed JSON, a wrong type or value (param names it), or a prompt too long",
+    "400": "Malformed JSON, an unknown field, a wrong type or value (param names it), or a "
+    "prompt too long",
     "401": "Missing or wrong bearer API key (when the server has one)",
     "404": "Unknown model",
     "408": "The body did not all arrive within KVRAIL_HTTP_BODY_TIMEOUT_S",
@@ -379,8 +414,9 @@ def openapi_document(model_name: str) -> dict[str, Any]:
         "name": "Last-Event-ID",
         "in": "header",
         "required": False,
-        "schema": {"type": "string", "pattern": "^(-1|[0-9]+)$"},
-        "description": "The last seq received; the stream resumes after it",
+        "schema": {"type": "string", "pattern": r"^(-1|[0-9]+)(\.(-1|[0-9]+))*$"},
+        "description": "The last event id received (per prompt, the last seq, joined by "
+        "'.'); the stream resumes after it",
     }
     paths = {
         "/v1/completions": _generation("CompletionRequest", "Completion", "Text completion"),

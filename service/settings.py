@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+UNKNOWN_FIELDS = ("reject", "warn")  # what the API does with a request field it does not know
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -101,6 +102,18 @@ class Settings:
     # A response stream silent this long (no chunk) fails with a timeout and is aborted.
     stream_timeout_s: float = _setting(
         "KVRAIL_STREAM_TIMEOUT_S", 120.0, _number, lambda v: v > 0, "must be a number > 0"
+    )
+
+    # A field of a /v1/completions or /v1/chat/completions body that the API does not know
+    # (a typo, another server's extension) or a chat_template_kwargs key the chat template
+    # does not read: "reject" answers 400 naming it, as OpenAI does; "warn" logs a warning
+    # and ignores it, for deployments whose clients send such fields. `--unknown-fields`.
+    unknown_fields: str = _setting(
+        "KVRAIL_UNKNOWN_FIELDS",
+        "reject",
+        str.lower,
+        lambda v: v in UNKNOWN_FIELDS,
+        f"must be one of {', '.join(UNKNOWN_FIELDS)}",
     )
 
     # Origins a browser page may call the API from (CORS), comma-separated; "*" for any;

@@ -372,7 +372,7 @@ JSON_TYPE = {"content-type": "application/json"}
         ("POST", "/tokenize", b"[" * 200_000, 400, None),
         ("POST", "/v1/completions", {"prompt": "x"}, 400, "model"),
         ("POST", "/v1/completions", {"model": MODEL}, 400, "prompt"),
-        ("POST", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
+        ("POST", "/v1/completions", {"model": MODEL, "prompt": [["a"]]}, 400, "prompt"),
         ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "n": "2"}, 400, "n"),
         ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 2}, 400, "top_p"),
         ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import threading
 import time
 
@@ -205,6 +206,31 @@ async def test_resumes_the_entry_of_a_dead_worker(engine, reference, redis, redi
     assert [c.seq for c in chunks] == list(range(len(chunks)))
     assert joined(chunks) == (tokens, text)
     assert chunks[-1].usage["completion_tokens"] == 30
+    assert await num_pending(redis) == 0
+
+
+async def test_resumes_a_structured_request_of_a_dead_worker(engine, reference, redis, redis_url):
+    """The structured_outputs map travels on the wire; the worker that takes the entry over
+    rebuilds the grammar's matcher from the tokens already emitted: the text is the one a
+    single run gives and matches the regex (a fresh matcher would start the date over)."""
+    date = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+    sampling = dict(max_tokens=30, structured_outputs={"regex": date}, temperature=0.0)
+    [full] = reference.llm.generate(PROMPT, SamplingParams(**sampling))
+    tokens, text = full.outputs[0].token_ids, full.outputs[0].text
+    assert re.fullmatch(date, text)
+    entry_id = await submit(redis, GenerateRequest("so", prompt=PROMPT, sampling=sampling))
+    await streams.ensure_group(redis)
+    dead = streams.RequestConsumer(redis, redis, "dead")
+    assert [e.entry_id for e in await dead.read()] == [entry_id]
+    assert await streams.own_request(redis, "so", entry_id, 60) == (entry_id, False)
+    emitted = [TokenChunk("so", i, token_ids=[t], text=reference.llm.get_tokenizer().decode([t]))
+               for i, t in enumerate(tokens[:5])]  # fmt: skip
+    await streams.ResponsePublisher(redis, 60).publish((keys.response("so"), c) for c in emitted)
+    async with serving(engine, redis_url, claim_idle_ms=500):
+        chunks = await read_chunks(redis, "so")
+    assert [c.seq for c in chunks] == list(range(len(chunks)))
+    assert joined(chunks) == (tokens, text)
+    assert chunks[-1].finish_reason == "stop"
     assert await num_pending(redis) == 0
 
 
