@@ -121,7 +121,7 @@ class Readers:
                 await self._client.hold_reader(request_id, reader, self._ttl_s, self._grace_s)
             except RedisError as e:  # best effort, like the abort it stands for
                 logger.warning("cannot record that a reader of %s left: %s", request_id, e)
-                return
+                continue
             # A check of its own, started after this write: one started before may have read
             # the readers before it and stopped, seeing this reader still connected.
             check = asyncio.create_task(self._abort_when_unread(request_id))

@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerFast
 
 from engine import LLM, SamplingParams, TokenBytes, apply_chat_template
 from engine.loader import load_tokenizer, resolve_model
-from queueing.schema import Abort, keys
+from queueing.schema import keys
 from service.api import create_app
 from service.cli import build_parser, settings_of
 from service.openai_protocol import ParseContext, RequestBody, parse_chat, parse_completion
@@ -33,6 +33,7 @@ from service.openapi import openapi_document
 from service.settings import Settings, SettingsError
 from tests.service.conftest import ENGINE_KWARGS
 from tests.service.test_api import MODEL, Api, FakeWorker, assert_error, parse_sse
+from tests.service.test_resume import aborts
 from tests.service.test_worker import GREEDY, PROMPT, hold_steps, serving
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,14 +80,6 @@ def offline(model_dir):
 @pytest.fixture(scope="module")
 def smollm2():
     return load_tokenizer(SMOLLM2)
-
-
-async def aborted(redis_url: str) -> list[str]:
-    r = aioredis.Redis.from_url(redis_url)
-    try:
-        return [Abort.decode(f[b"data"]).request_id for _, f in await r.xrange(keys.control)]
-    finally:
-        await r.aclose()
 
 
 def sse_events(text: str) -> tuple[list[str], list[dict]]:
@@ -305,13 +298,13 @@ async def test_a_client_gone_aborts_every_prompt_of_its_batch(
     async with serving(engine, redis_url), api(redis_url, TINY, model_dir) as client:
         with pytest.raises(httpx.ReadTimeout):
             await client.post("/v1/completions", json=body, timeout=1.0)
-        await until(lambda: _two(aborted(redis_url)), "both prompts aborted")
+        await until(lambda: _two(aborts(redis_url)), "both prompts aborted")
         async with api(redis_url, TINY, model_dir, resume_grace_s=0) as streaming:
             async with streaming.stream("POST", "/v1/completions", json={**body, "stream": True}):
                 pass  # gone before its first event
-            await until(lambda: _two(aborted(redis_url), 4), "both streamed prompts aborted")
+            await until(lambda: _two(aborts(redis_url), 4), "both streamed prompts aborted")
     # (serving checked that the KV pool is free again)
-    first, second = (await aborted(redis_url))[:2], (await aborted(redis_url))[2:]
+    first, second = (await aborts(redis_url))[:2], (await aborts(redis_url))[2:]
     for pair in (first, second):
         stem = pair[0].rsplit("-", 1)[0]
         assert sorted(pair) == [f"{stem}-0", f"{stem}-1"]
