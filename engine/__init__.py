@@ -22,6 +22,7 @@ from engine.request import (
     sampling_fields,
     value_kinds,
 )
+from engine.structured_outputs import KINDS as STRUCTURED_OUTPUT_KINDS
 from engine.structured_outputs import StructuredOutputsParams
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "MAX_LOGPROBS",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_LEN",
+    "STRUCTURED_OUTPUT_KINDS",
     "CompletionOutput",
     "EngineConfig",
     "EngineStats",

@@ -424,15 +424,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list, then generate."""
+        """Apply the model's chat template to one conversation or a list, then generate.
+        `tools`: OpenAI's function definitions, rendered into the prompt (the calls the model
+        writes stay text here; the service's `/v1/chat/completions` parses them)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.llm_engine.tokenizer
+        kwargs = {**(chat_template_kwargs or {}), "tools": tools}
         prompts, token_prompts = zip(
-            *(
-                apply_chat_template(tokenizer, list(c), **(chat_template_kwargs or {}))
-                for c in conversations
-            ),
+            *(apply_chat_template(tokenizer, list(c), **kwargs) for c in conversations),
             strict=True,
         )
         outputs = self.generate(list(token_prompts), sampling_params, use_tqdm)

@@ -320,6 +320,7 @@ async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
         top_logprobs=parsed.sampling.get("logprobs"),
         echo=[prompt.echo for prompt in prompts] if parsed.echo else None,
         echo_only=parsed.echo_only,
+        tool_choice=parsed.tool_choice,
     )
     # Kept for `/v1/streams/{id}`, which must shape a resumed stream the same way.
     await state.client.save_sse_shape(

@@ -14,6 +14,7 @@ numbered `prompt_index * n + i`, as vLLM does.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -26,34 +27,40 @@ from engine import (
     MAX_LOGPROBS,
     FinishReason,
     SamplingParams,
+    StructuredOutputsParams,
     TokenBytes,
     apply_chat_template,
     sampling_fields,
 )
 from queueing.schema import TokenChunk
+from service.tool_calls import ToolCallParser, ToolChoice, tool_constraint, whole_answer
 
 log = structlog.get_logger("kvrail.api")
 
 Kind = Literal["chat", "completion"]
 _MISSING = object()
 # Sampling fields each parsed in their own way: max_tokens and logprobs differ between the
-# endpoints, the others take more than a JSON type check.
-PARSED_APART = ("max_tokens", "logprobs", "stop", "stop_token_ids", "logit_bias")
+# endpoints, structured_outputs has other names besides its own, the others take more than a
+# JSON type check.
+PARSED_APART = (
+    "max_tokens",
+    "logprobs",
+    "stop",
+    "stop_token_ids",
+    "logit_bias",
+    "structured_outputs",
+)
 # The other sampling fields, shared by both endpoints, by the JSON types they may have.
 _PLAIN_FIELDS = {
     name: spec.kinds for name, spec in sampling_fields().items() if name not in PARSED_APART
 }
-# Fields of features still to come, refused by name ("not supported yet") until each is
-# parsed: structured outputs on both endpoints (with `response_format` beyond "text"), tool
-# calls on chat.
-_STRUCTURED_OUTPUT_FIELDS = (
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
-_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions")
+# vLLM's older names of one constraint each: field -> (StructuredOutputsParams field, types)
+GUIDED_FIELDS: dict[str, tuple[str, tuple[type, ...]]] = {
+    "guided_json": ("json", (dict, str)),
+    "guided_regex": ("regex", (str,)),
+    "guided_choice": ("choice", (list,)),
+    "guided_grammar": ("grammar", (str,)),
+}
 
 
 class ApiError(Exception):
@@ -135,9 +142,10 @@ class ChatTemplate:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None  # OpenAI's function definitions shown
 
     def apply(
-        self, tokenizer: Any, messages: list[dict[str, str]], add_special_tokens: bool = False
+        self, tokenizer: Any, messages: list[dict[str, Any]], add_special_tokens: bool = False
     ) -> list[int]:
         return apply_chat_template(
             tokenizer,
@@ -145,6 +153,7 @@ class ChatTemplate:
             add_generation_prompt=self.add_generation_prompt,
             add_special_tokens=add_special_tokens,
             continue_final_message=self.continue_final_message,
+            tools=self.tools,
             **self.kwargs,
         )[1]
 
@@ -166,6 +175,7 @@ class ParsedRequest:
     # echo with max_tokens 0: the engine, whose minimum is 1, samples one token that is
     # dropped, as vLLM does; the prompt's logprobs are what such a request is for
     echo_only: bool = False
+    tool_choice: ToolChoice | None = None  # chat with tools: how its choices call them
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -236,7 +246,15 @@ def _unknown(names: list[str], policy: str, where: str = "") -> None:
     raise ApiError(400, f"Unknown parameter: {listed}.", param=params[0], code="unknown_parameter")
 
 
-def _parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: int) -> dict:
+def _parse_sampling(
+    body: dict[str, Any],
+    max_tokens: int | None,
+    context: ParseContext,
+    tool_call_constraint: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The wire sampling fields of a body; `tool_call_constraint`: what its `tool_choice`
+    constrains the text to (`service.tool_calls.tool_constraint`)."""
+    vocab_size, unknown_fields = context.vocab_size, context.unknown_fields
     sampling: dict[str, Any] = {"max_tokens": max_tokens}
     for name, kinds in _PLAIN_FIELDS.items():
         sampling[name] = get_field(body, name, kinds)
@@ -251,12 +269,79 @@ def _parse_sampling(body: dict[str, Any], max_tokens: int | None, vocab_size: in
             _int_list(body["stop_token_ids"], "stop_token_ids"), vocab_size, "stop_token_ids"
         )
     sampling["logit_bias"] = _parse_logit_bias(body, vocab_size)
+    source, sampling["structured_outputs"] = _parse_constraint(
+        body, unknown_fields, tool_call_constraint
+    )
     sampling = {k: v for k, v in sampling.items() if v is not None or k == "max_tokens"}
     try:
         SamplingParams(**sampling)
     except ValueError as e:
-        raise ApiError(400, str(e), param=str(e).split()[0]) from None
+        param = str(e).split()[0]
+        if param != "structured_outputs" or source == param:
+            raise ApiError(400, str(e), param=param) from None
+        # xgrammar's verdict on a schema, regex or grammar, of the field that gave it
+        raise ApiError(400, f"'{source}' is invalid: {e}", param=source) from None
     return sampling
+
+
+def _parse_constraint(
+    body: dict[str, Any], unknown_fields: str, tool_call_constraint: dict[str, Any] | None
+) -> tuple[str | None, Any]:
+    """A body's structured-output constraint, as the wire map of `StructuredOutputsParams`
+    fields, and the field that gave it: `tool_choice` (required or named), vLLM's
+    `structured_outputs`, OpenAI's `response_format` or one of vLLM's older `guided_*`; two
+    of them are refused."""
+    given: dict[str, dict[str, Any]] = {}
+    if tool_call_constraint is not None:
+        given["tool_choice"] = tool_call_constraint
+    constraint = get_field(body, "structured_outputs", (dict,))
+    if constraint is not None:
+        given["structured_outputs"] = constraint
+    constraint = _parse_response_format(body, unknown_fields)
+    if constraint is not None:
+        given["response_format"] = constraint
+    for name, (kind, kinds) in GUIDED_FIELDS.items():
+        value = get_field(body, name, kinds)
+        if value is not None:
+            given[name] = {kind: value}
+    if len(given) > 1:
+        first, second = list(given)[:2]
+        raise ApiError(400, f"'{second}' cannot be combined with '{first}'", param=second)
+    return next(iter(given.items()), (None, None))
+
+
+def _parse_response_format(body: dict[str, Any], unknown_fields: str) -> dict[str, Any] | None:
+    """OpenAI's `response_format`: `text` (no constraint), `json_object` (any JSON object) or
+    `json_schema` ({name, schema, strict, description}; without a schema, any JSON object).
+    xgrammar keeps to the schema whatever `strict` says, so strict=false is no looser."""
+    response_format = get_field(body, "response_format", (dict,))
+    if response_format is None:
+        return None
+    response_format = RequestBody(response_format)
+    kind = get_field(response_format, "type", (str,))
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ApiError(
+            400,
+            "'response_format.type' must be one of 'text', 'json_object', 'json_schema'",
+            param="response_format",
+        )
+    constraint: dict[str, Any] | None = None
+    if kind == "json_object":
+        constraint = {"json_object": True}
+    elif kind == "json_schema":
+        spec = RequestBody(get_field(response_format, "json_schema", (dict,), {}))
+        name = get_field(spec, "name", (str,))
+        if name is None:
+            raise ApiError(
+                400, "'response_format.json_schema.name' is required", param="response_format"
+            )
+        get_field(spec, "strict", (bool,))
+        get_field(spec, "description", (str,))
+        schema = get_field(spec, "schema", (dict,))
+        constraint = {"json_object": True} if schema is None else {"json": schema}
+        _unknown(spec.unread(), unknown_fields, "response_format.json_schema.")
+    _unknown(response_format.unread(), unknown_fields, "response_format.")
+    return constraint
 
 
 def _parse_logit_bias(body: dict[str, Any], vocab_size: int) -> dict[str, float] | None:
@@ -305,24 +390,17 @@ def _reject_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
     for name in names:
         if body.get(name) not in (None, False, [], ""):
             raise ApiError(400, f"'{name}' is not supported yet", param=name)
-    response_format = get_field(body, "response_format", (dict,))
-    if response_format is not None and response_format.get("type") != "text":
-        raise ApiError(
-            400,
-            "'response_format' is not supported yet beyond type 'text'",
-            param="response_format",
-        )
 
 
 def parse_completion(body: RequestBody, context: ParseContext) -> ParsedRequest:
     """Validate a /v1/completions body: a prompt (text or token ids) or a batch of them."""
     check_model(body, context.model)
-    _reject_unsupported(body, ("suffix", *_STRUCTURED_OUTPUT_FIELDS))
+    _reject_unsupported(body, ("suffix",))
     prompts = _parse_prompts(body.get("prompt", _MISSING), context.vocab_size)
     echo = get_field(body, "echo", (bool,), False)
     max_tokens = get_field(body, "max_tokens", (int,), 16)
     echo_only = echo and max_tokens == 0
-    sampling = _parse_sampling(body, 1 if echo_only else max_tokens, context.vocab_size)
+    sampling = _parse_sampling(body, 1 if echo_only else max_tokens, context)
     best_of = get_field(body, "best_of", (int,))
     if best_of is not None and best_of != sampling.get("n", 1):
         raise ApiError(400, "'best_of' other than n is not supported", param="best_of")
@@ -377,16 +455,26 @@ def _parse_prompt(value: Any, vocab_size: int) -> str | list[int]:
 
 
 def parse_chat(body: RequestBody, context: ParseContext) -> ParsedRequest:
-    """Validate a /v1/chat/completions body (text messages only, no tools)."""
+    """Validate a /v1/chat/completions body: text messages, tools (`service.tool_calls`)."""
     check_model(body, context.model)
-    _reject_unsupported(body, ("audio", *_TOOL_FIELDS, *_STRUCTURED_OUTPUT_FIELDS))
+    _reject_unsupported(body, ("audio",))
+    for name in ("functions", "function_call"):
+        if body.get(name) is not None:
+            raise ApiError(400, f"'{name}' is deprecated and not served: use 'tools'", param=name)
     messages = parse_messages(body.get("messages", _MISSING))
-    chat_template = parse_chat_template(body, context)
+    tools, tool_choice, parallel_tool_calls = _parse_tools(body, context.unknown_fields)
+    chat_template = parse_chat_template(body, context, tools)
     max_completion_tokens = get_field(body, "max_completion_tokens", (int,))
     max_tokens = get_field(body, "max_tokens", (int,))
     if max_completion_tokens is not None:
         max_tokens = max_completion_tokens
-    sampling = _parse_sampling(body, max_tokens, context.vocab_size)
+    tool_call_constraint = None
+    if tool_choice is not None:
+        try:
+            tool_call_constraint = tool_constraint(tools, tool_choice, parallel_tool_calls)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="tools") from None
+    sampling = _parse_sampling(body, max_tokens, context, tool_call_constraint)
     want_logprobs = get_field(body, "logprobs", (bool,), False)
     top_logprobs = get_field(body, "top_logprobs", (int,))
     if top_logprobs is not None:
@@ -409,10 +497,87 @@ def parse_chat(body: RequestBody, context: ParseContext) -> ParsedRequest:
         include_usage,
         messages=messages,
         chat_template=chat_template,
+        tool_choice=tool_choice,
     )
 
 
-def parse_chat_template(body: dict[str, Any], context: ParseContext) -> ChatTemplate:
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _parse_tools(
+    body: dict[str, Any], unknown_fields: str
+) -> tuple[list[dict[str, Any]] | None, ToolChoice | None, bool]:
+    """OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`: the tools the prompt shows
+    (None: none), how the choices call them (None: they do not), and whether one choice may
+    call several. `tool_choice` defaults to "auto" with tools, as OpenAI's does; "none" leaves
+    the tools out of the prompt, so the model is not told of functions it may not call."""
+    tools = get_field(body, "tools", (list,)) or None
+    choice = get_field(body, "tool_choice", (str, dict))
+    parallel_tool_calls = get_field(body, "parallel_tool_calls", (bool,), True)
+    if tools is None:
+        if choice not in (None, "none"):
+            raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+        return None, None, parallel_tool_calls
+    names = [_parse_tool(tool, i, unknown_fields) for i, tool in enumerate(tools)]
+    if len(set(names)) < len(names):
+        raise ApiError(400, "'tools' must have distinct function names", param="tools")
+    if choice is None or choice == "auto":
+        return tools, ToolChoice("auto"), parallel_tool_calls
+    if choice == "none":
+        return None, None, parallel_tool_calls
+    if choice == "required":
+        return tools, ToolChoice("required"), parallel_tool_calls
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or name is None:
+        raise ApiError(
+            400,
+            "'tool_choice' must be 'none', 'auto', 'required' or "
+            '{"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
+    if name not in names:
+        raise ApiError(
+            400, f"'tool_choice' names {name!r}, not one of 'tools'", param="tool_choice"
+        )
+    return tools, ToolChoice("named", name), parallel_tool_calls
+
+
+def _parse_tool(tool: Any, i: int, unknown_fields: str) -> str:
+    """Check `tools[i]` ({"type": "function", "function": {name, description, parameters,
+    strict}}); its function's name."""
+    where = f"tools[{i}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise ApiError(400, f'\'{where}\' must be {{"type": "function", ...}}', param="tools")
+    tool = RequestBody(tool)
+    get_field(tool, "type", (str,))
+    function = RequestBody(get_field(tool, "function", (dict,), {}))
+    name = get_field(function, "name", (str,))
+    if name is None or not _FUNCTION_NAME.match(name):
+        raise ApiError(
+            400, f"'{where}.function.name' must be 1-64 of a-z, A-Z, 0-9, _ and -", param="tools"
+        )
+    get_field(function, "description", (str,))
+    get_field(function, "strict", (bool,))
+    parameters = get_field(function, "parameters", (dict,))
+    if parameters is not None:
+        try:
+            StructuredOutputsParams(json=parameters)
+        except ValueError as e:
+            message = str(e).removeprefix("structured_outputs json is invalid: ")
+            raise ApiError(
+                400,
+                f"'{where}.function.parameters' is not a valid JSON schema: {message}",
+                param="tools",
+            ) from None
+    _unknown(function.unread(), unknown_fields, f"{where}.function.")
+    _unknown(tool.unread(), unknown_fields, f"{where}.")
+    return name
+
+
+def parse_chat_template(
+    body: dict[str, Any], context: ParseContext, tools: list[dict[str, Any]] | None = None
+) -> ChatTemplate:
     """The chat template options of a body (chat completions, /tokenize with messages).
     `add_generation_prompt` defaults to true, or to false with `continue_final_message`; both
     true is refused, as vLLM does. A `chat_template_kwargs` key the template does not read
@@ -431,20 +596,40 @@ def parse_chat_template(body: dict[str, Any], context: ParseContext) -> ChatTemp
         [k for k in kwargs if k not in variables], context.unknown_fields, "chat_template_kwargs."
     )
     kwargs = {k: v for k, v in kwargs.items() if k in variables}
-    return ChatTemplate(add_generation_prompt, continue_final, kwargs)
+    return ChatTemplate(add_generation_prompt, continue_final, kwargs, tools)
 
 
-def parse_messages(value: Any) -> list[dict[str, str]]:
-    """Chat messages as {role, content} with text content (parts joined)."""
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    """Chat messages as the chat template takes them: {role, content} with text content
+    (parts joined by newlines, as vLLM joins them), OpenAI's `developer` role as `system`
+    (what templates know), an assistant's `tool_calls` with their arguments as objects, and
+    a tool message's `tool_call_id`."""
     if value is _MISSING:
         raise ApiError(400, "'messages' is required", param="messages")
     if not isinstance(value, list) or not value:
         raise ApiError(400, "'messages' must be a non-empty array", param="messages")
     messages = []
     for message in value:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, "each message needs a string 'role'", param="messages")
-        messages.append({"role": message["role"], "content": _message_text(message)})
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise ApiError(
+                400, f"each message needs a 'role', one of {', '.join(ROLES)}", param="messages"
+            )
+        role = "system" if message["role"] == "developer" else message["role"]
+        parsed: dict[str, Any] = {"role": role, "content": _message_text(message)}
+        if role == "assistant" and message.get("tool_calls"):
+            parsed["tool_calls"] = _message_tool_calls(message["tool_calls"])
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise ApiError(
+                    400, "a tool message needs a string 'tool_call_id'", param="messages"
+                )
+            parsed["tool_call_id"] = message["tool_call_id"]
+        if isinstance(message.get("name"), str):
+            parsed["name"] = message["name"]
+        messages.append(parsed)
     return messages
 
 
@@ -458,10 +643,34 @@ def _message_text(message: dict[str, Any]) -> str:
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
         for p in content
     ):
-        return "".join(p["text"] for p in content)
+        return "\n".join(p["text"] for p in content)
     raise ApiError(
         400, "message content must be a string or an array of text parts", param="messages"
     )
+
+
+def _message_tool_calls(calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls`, each function's JSON `arguments` as the object
+    chat templates take."""
+    why = "an assistant's 'tool_calls' must be an array of {id, type: 'function', function: "
+    why += "{name, arguments}} with arguments a JSON object"
+    if not isinstance(calls, list):
+        raise ApiError(400, why, param="messages")
+    parsed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        try:
+            arguments = json.loads(function["arguments"])
+            ok = isinstance(function["name"], str) and isinstance(arguments, dict)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok or call.get("type", "function") != "function":
+            raise ApiError(400, why, param="messages")
+        entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        parsed.append(entry)
+    return parsed
 
 
 # ---- shaping -----------------------------------------------------------------------------------
@@ -598,6 +807,11 @@ def completion_tokens_of(last: TokenChunk, chunks: list[TokenChunk]) -> int:
     return sum(len(c.token_ids) for c in chunks)
 
 
+def _tool_finish(finish_reason: str | None, num_calls: int) -> str | None:
+    """OpenAI's finish reason of a choice that called tools and stopped: "tool_calls"."""
+    return "tool_calls" if num_calls and finish_reason == FinishReason.STOP else finish_reason
+
+
 def _finish(chunk: TokenChunk, echo_only: bool) -> tuple[str | None, int | str | None]:
     """A chunk's finish and stop reasons; echo only, the dropped token cannot have stopped
     anything: max_tokens 0 is reached before it."""
@@ -676,6 +890,11 @@ def _response_choice(
             content = [e for c in choice.logprob_chunks for e in chat_logprobs(c, token_str, top)]
             logprobs = {"content": content, "refusal": None}
         message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
+        if parsed.tool_choice is not None:
+            parser = ToolCallParser(parsed.tool_choice, parsed.request_id, index)
+            message["content"], calls = whole_answer(parser, text)
+            message["tool_calls"] = [call.to_json() for call in calls]
+            common["finish_reason"] = _tool_finish(choice.finish_reason, len(calls))
         return {**common, "message": message, "logprobs": logprobs}
     logprobs, offset = None, 0
     if top is not None:
@@ -708,6 +927,7 @@ class StreamShape:
     top_logprobs: int | None = None  # the sampling's logprobs: None when not asked
     echo: list[str] | None = None  # per prompt, the text its choices begin with
     echo_only: bool = False
+    tool_choice: ToolChoice | None = None  # chat with tools: how its choices call them
 
     @property
     def request_ids(self) -> list[str]:
@@ -718,7 +938,10 @@ class StreamShape:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> StreamShape:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        if fields.get("tool_choice") is not None:
+            fields["tool_choice"] = ToolChoice(**fields["tool_choice"])
+        return cls(**fields)
 
 
 def event_id(seqs: list[int]) -> str:
@@ -766,6 +989,7 @@ class StreamEvents:
         self.started: set[int] = set()  # choices whose first chunk was seen
         self.text_offsets: dict[int, int] = {}
         self.chunks: list[list[TokenChunk]] = [[] for _ in range(shape.num_prompts)]
+        self.tool_parsers: dict[int, ToolCallParser] = {}  # per choice, with tools
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         kind = "chat.completion.chunk" if self.shape.kind == "chat" else "text_completion"
@@ -811,6 +1035,7 @@ class StreamEvents:
         self.started.add(index)
         offset = self.text_offsets.get(index, 0)
         self.text_offsets[index] = offset + len(chunk.text)
+        delta = self._delta(index, chunk)  # before a resume's skip: tool parsers see it all
         if chunk.seq <= self.after[prompt_index]:
             return []
         self.sent[prompt_index] = chunk.seq
@@ -819,20 +1044,40 @@ class StreamEvents:
             return [sse(error.body(), event_id(self.sent), event="error")]
         events = []
         if first and self.shape.kind == "chat":
-            delta = {"role": "assistant", "content": ""}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            role = {"role": "assistant", "content": ""}
+            choice = {"index": index, "delta": role, "logprobs": None, "finish_reason": None}
             events.append(sse(self._envelope([choice])))
         events.append(
-            sse(self._envelope([self._choice(index, chunk, offset)]), event_id(self.sent))
+            sse(self._envelope([self._choice(index, chunk, offset, delta)]), event_id(self.sent))
         )
         if chunk.is_last and self.shape.include_usage and not self.unfinished:
             events.append(sse(self._usage_event()))
         return events
 
-    def _choice(self, index: int, chunk: TokenChunk, offset: int) -> dict[str, Any]:
+    def _delta(self, index: int, chunk: TokenChunk) -> dict[str, Any]:
+        """A chat chunk's delta: its text, or with tools, the content and call deltas the
+        choice's parser makes of it."""
+        if self.shape.tool_choice is None:
+            return {"content": chunk.text} if chunk.text else {}
+        parser = self.tool_parsers.get(index)
+        if parser is None:
+            parser = ToolCallParser(self.shape.tool_choice, self.shape.request_id, index)
+            self.tool_parsers[index] = parser
+        content, calls = parser.feed(chunk.text)
+        if chunk.finish_reason is not None:
+            more_content, more_calls = parser.finish()
+            content, calls = content + more_content, calls + more_calls
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [call.to_json() for call in calls]
+        return delta
+
+    def _choice(
+        self, index: int, chunk: TokenChunk, offset: int, delta: dict[str, Any]
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
         if self.shape.kind == "chat":
-            choice["delta"] = {"content": chunk.text} if chunk.text else {}
+            choice["delta"] = delta
             choice["logprobs"] = None
             if chunk.logprobs:
                 content = chat_logprobs(chunk, self.token_str, self.shape.top_logprobs)
@@ -844,6 +1089,9 @@ class StreamEvents:
             if chunk.logprobs and not dropped:
                 choice["logprobs"] = completion_logprobs(chunk, self.token_str, offset)
         choice["finish_reason"], choice["stop_reason"] = _finish(chunk, self.shape.echo_only)
+        if index in self.tool_parsers:
+            num_calls = self.tool_parsers[index].num_calls
+            choice["finish_reason"] = _tool_finish(choice["finish_reason"], num_calls)
         return choice
 
     def _usage_event(self) -> dict[str, Any]:

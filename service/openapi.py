@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine import MAX_ABS_LOGIT_BIAS, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, sampling_fields
+from engine import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+    STRUCTURED_OUTPUT_KINDS,
+    sampling_fields,
+)
+from service.openai_protocol import ROLES
 
 _REF = "#/components/schemas/"
 
@@ -80,12 +87,51 @@ _NOT_YET = {
         {"type": "array", "maxItems": 0},
     ]
 }
+_JSON_SCHEMA = {"type": "object"}  # a JSON schema, checked by xgrammar (400 when it refuses it)
+_CHOICE = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}
+# One constraint (engine.StructuredOutputsParams), by vLLM's names, or by OpenAI's
+# response_format, or by vLLM's older guided_* fields: at most one of these in a request.
 _STRUCTURED_OUTPUTS = {
-    "structured_outputs": _NOT_YET,
-    **{f"guided_{kind}": _NOT_YET for kind in ("json", "regex", "choice", "grammar")},
-    "response_format": _nullable(
-        {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}}
+    "structured_outputs": _nullable(
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "json": {"anyOf": [_JSON_SCHEMA, {"type": "string"}]},
+                "regex": {"type": "string"},
+                "choice": _CHOICE,
+                "grammar": {"type": "string"},
+                "json_object": {"const": True},
+                "disable_any_whitespace": {"type": "boolean"},
+            },
+            "oneOf": [{"required": [kind]} for kind in STRUCTURED_OUTPUT_KINDS],
+        }
     ),
+    "response_format": _nullable(
+        {
+            "type": "object",
+            "required": ["type"],
+            "additionalProperties": False,
+            "properties": {
+                "type": {"enum": ["text", "json_object", "json_schema"]},
+                "json_schema": {
+                    "type": "object",
+                    "required": ["name"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "name": {"type": "string"},
+                        "description": {"type": "string"},
+                        "schema": _JSON_SCHEMA,
+                        "strict": _nullable({"type": "boolean"}),
+                    },
+                },
+            },
+        }
+    ),
+    "guided_json": _nullable({"anyOf": [_JSON_SCHEMA, {"type": "string"}]}),
+    "guided_regex": _nullable({"type": "string"}),
+    "guided_choice": _nullable(_CHOICE),
+    "guided_grammar": _nullable({"type": "string"}),
 }
 _USAGE = {
     "type": "object",
@@ -135,18 +181,34 @@ _COMPLETION_REQUEST = {
         ),
         "logprobs": _sampling_field("logprobs"),
         "echo": _nullable({"type": "boolean"}),
-        "best_of": {"type": "null"},
+        "best_of": _nullable({"type": "integer", "minimum": 1}),  # other than n: 400
         "suffix": _NOT_YET,
+    },
+}
+_TOOL_CALL = {
+    "type": "object",
+    "required": ["function"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name", "arguments"],
+            # arguments: a JSON object's text
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}},
+        },
     },
 }
 _MESSAGE = {
     "type": "object",
-    "required": ["role", "content"],
+    "required": ["role"],
     "properties": {
-        "role": {"type": "string", "enum": ["system", "user", "assistant"]},
+        # developer: read as system
+        "role": {"enum": list(ROLES)},
         "content": {
             "anyOf": [
                 {"type": "string"},
+                {"type": "null"},
                 {
                     "type": "array",
                     "items": {
@@ -160,7 +222,55 @@ _MESSAGE = {
                 },
             ]
         },
+        "name": {"type": "string"},
+        "tool_calls": _nullable({"type": "array", "items": _TOOL_CALL}),  # assistant
+        "tool_call_id": {"type": "string"},  # tool: required
     },
+}
+_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "additionalProperties": False,
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "additionalProperties": False,
+            "properties": {
+                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                "description": {"type": "string"},
+                "parameters": _JSON_SCHEMA,
+                "strict": _nullable({"type": "boolean"}),
+            },
+        },
+    },
+}
+_TOOLS = {
+    "tools": _nullable({"type": "array", "items": _TOOL}),
+    "tool_choice": _nullable(
+        {
+            "anyOf": [
+                {"enum": ["none", "auto", "required"]},
+                {
+                    "type": "object",
+                    "required": ["type", "function"],
+                    "properties": {
+                        "type": {"const": "function"},
+                        "function": {
+                            "type": "object",
+                            "required": ["name"],
+                            "properties": {"name": {"type": "string"}},
+                        },
+                    },
+                },
+            ]
+        }
+    ),
+    "parallel_tool_calls": _nullable({"type": "boolean"}),
+    # OpenAI's deprecated form of tools: refused, naming tools
+    "functions": {"type": "null"},
+    "function_call": {"type": "null"},
 }
 # vLLM's chat template options; add_generation_prompt defaults to true, to false with
 # continue_final_message (both true: 400). chat_template_kwargs: variables the model's chat
@@ -178,8 +288,8 @@ _CHAT_REQUEST = {
         **_SAMPLING,
         **_STRUCTURED_OUTPUTS,
         **_CHAT_TEMPLATE_OPTIONS,
-        **{name: _NOT_YET for name in ("tools", "tool_choice", "parallel_tool_calls")},
-        **{name: _NOT_YET for name in ("functions", "audio")},
+        **_TOOLS,
+        "audio": _NOT_YET,
         "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
         "max_completion_tokens": _sampling_field("max_tokens"),
         "logprobs": {"type": "boolean"},
@@ -250,7 +360,14 @@ _SCHEMAS = {
         {
             "message": {
                 "type": "object",
-                "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}},
+                "properties": {
+                    "role": {"const": "assistant"},
+                    "content": {"type": ["string", "null"]},  # null: only tool calls
+                    "tool_calls": {
+                        "type": "array",
+                        "items": {**_TOOL_CALL, "required": ["id", "type", "function"]},
+                    },
+                },
             }
         },
         {"prompt_logprobs": _PROMPT_LOGPROBS},
@@ -364,7 +481,6 @@ _SSE_EVENT = {
         "data": {"type": "string"},
         "id": {"type": "string"},
         "event": {"type": "string"},
-        "retry": {"type": "integer"},
     },
     "required": ["data"],
 }

@@ -227,6 +227,7 @@ def test_parse_range_and_verdict():
         "compile_layer",
         "spec_decode",
         "attention_kernels",
+        "structured",
     ],
 )
 def test_help_exits_zero(script):
@@ -271,3 +272,23 @@ def test_quality_perplexity_is_hf_perplexity(tmp_path):
     # Every parameter once (the tied head shares the embedding's).
     model = llm.llm_engine.engine_core.model_runner.model
     assert weight_bytes(model) == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_structured_throughput_gives_both_runs_the_same_work(tmp_path):
+    """benchmarks.structured on a tiny model: each unconstrained twin writes exactly the
+    tokens its constrained request did, so the ratio compares equal work."""
+    from benchmarks.structured import compile_times, parse_args, throughput
+    from engine import LLM
+    from tests.engine.test_llm import assert_pool_free
+    from tests.engine.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=2)
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=512)
+    args = parse_args(["--batch", "3", "--rounds", "1", "--schemas", "1", "--max-tokens", "24"])
+    args.input_len = (16, 32)
+    (run,) = throughput(llm, args)["rounds"]
+    assert 3 <= run["output_tokens"] <= 3 * 24
+    assert run["constrained_tok_s"] > 0 and run["unconstrained_tok_s"] > 0
+    times = compile_times(llm, args)
+    assert len(times["new_ms"]) == len(times["cached_ms"]) == 1
+    assert_pool_free(llm)

@@ -1,0 +1,250 @@
+"""Tool calls out of a chat completion's text: OpenAI's `tool_choice`, as vLLM serves it.
+
+- A named function (`tool_choice: {"type": "function", ...}`) and `required` are constrained
+  by the engine's structured outputs to JSON that matches the tools' `parameters` schemas
+  (`tool_constraint`), so their calls are always valid: a named call's whole text is its
+  arguments; `required` writes vLLM's form, a JSON array of `{"name", "parameters"}` (one item
+  at most when `parallel_tool_calls` is false).
+- `auto` lets the model choose, and its calls are read in Hermes' convention,
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, which the tool-trained chat
+  models of the Llama and Qwen families write and `engine.apply_chat_template` teaches the
+  others. A block whose JSON is not a call stays text.
+
+One parser, `ToolCallParser`, makes both kinds of answer: a stream sends what it returns for
+each chunk's text as deltas, and a whole answer is what it returned over all the text, so the
+two never disagree. It is deterministic, so a stream resumed after `Last-Event-ID` replays
+every chunk through a new one and continues where the client was. A call's id is derived
+from the request, the choice and the call's index for the same reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+Mode = Literal["auto", "required", "named"]
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """How a request's choices make tool calls; `tool_choice: "none"` has none."""
+
+    mode: Mode
+    name: str | None = None  # named: the function called
+
+
+def tool_constraint(
+    tools: list[dict[str, Any]], choice: ToolChoice, parallel_tool_calls: bool
+) -> dict[str, Any] | None:
+    """The structured-outputs constraint (the wire map of `engine.StructuredOutputsParams`)
+    that makes a `required` or named choice's text valid calls; None for `auto`. Raises
+    `ValueError` when two tools' schemas define one `$defs` name two ways."""
+    schemas = {t["function"]["name"]: parameters_schema(t["function"]) for t in tools}
+    if choice.mode == "named":
+        return {"json": schemas[choice.name]}
+    if choice.mode == "auto":
+        return None
+    # Each schema's `$ref`s point into its own root's `$defs`: the array's root takes them all.
+    defs: dict[str, Any] = {}
+    calls = []
+    for name, schema in schemas.items():
+        for key, definition in schema.get("$defs", {}).items():
+            if defs.setdefault(key, definition) != definition:
+                raise ValueError(f"the tools' parameters define '$defs/{key}' differently")
+        calls.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"enum": [name]},
+                    "parameters": {k: v for k, v in schema.items() if k != "$defs"},
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    array |= {} if parallel_tool_calls else {"maxItems": 1}
+    return {"json": array | ({"$defs": defs} if defs else {})}
+
+
+def parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
+    """A function's arguments schema; OpenAI reads a function without `parameters` as one
+    that takes none."""
+    return function.get("parameters") or {
+        "type": "object",
+        "properties": {},
+        "additionalProperties": False,
+    }
+
+
+def call_id(request_id: str, choice_index: int, call_index: int) -> str:
+    """A tool call's id, the same every time the call is shaped (streams resume)."""
+    digest = hashlib.sha256(f"{request_id}/{choice_index}/{call_index}".encode()).hexdigest()
+    return f"call_{digest[:24]}"
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of one call: the first piece of a call carries its id and name; the pieces'
+    `arguments` joined are the call's JSON arguments."""
+
+    index: int  # the call's position among the choice's calls
+    id: str | None
+    name: str | None
+    arguments: str
+
+    def to_json(self) -> dict[str, Any]:
+        """OpenAI's `delta.tool_calls[]` entry."""
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"index": self.index, "id": self.id, "type": "function", "function": function}
+
+
+@dataclass
+class ToolCall:
+    """A whole call, as `message.tool_calls[]` has it."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def to_json(self) -> dict[str, Any]:
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+@dataclass
+class ToolCallParser:
+    """Turns a choice's text, as it comes, into content and tool-call deltas."""
+
+    choice: ToolChoice
+    request_id: str
+    choice_index: int
+    num_calls: int = 0
+    _buffer: str = ""
+    _in_call: bool = False  # auto: after a `<tool_call>` whose end has not come
+    _space: str = ""  # auto: trailing whitespace of the content, not sent yet
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        """The content and the call deltas this much more text makes."""
+        if self.choice.mode == "named":
+            return "", self._named(text)
+        self._buffer += text
+        if self.choice.mode == "required":  # a JSON array: read whole at the end
+            return "", []
+        return self._auto(final=False)
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        """What is left when the choice's text ends."""
+        if self.choice.mode == "named":
+            return "", []
+        if self.choice.mode == "required":
+            return self._required()
+        return self._auto(final=True)
+
+    def _new_call(self, name: str, arguments: str) -> ToolCallDelta:
+        delta = ToolCallDelta(
+            self.num_calls,
+            call_id(self.request_id, self.choice_index, self.num_calls),
+            name,
+            arguments,
+        )
+        self.num_calls += 1
+        return delta
+
+    def _named(self, text: str) -> list[ToolCallDelta]:
+        if self.num_calls == 0:
+            return [self._new_call(self.choice.name, text)]
+        return [ToolCallDelta(0, None, None, text)] if text else []
+
+    def _required(self) -> tuple[str, list[ToolCallDelta]]:
+        text, self._buffer = self._buffer, ""
+        try:
+            items = json.loads(text)
+            calls = [(item["name"], item["parameters"]) for item in items]
+        except (ValueError, TypeError, KeyError):  # cut short (max_tokens): it stays text
+            return text, []
+        return "", [self._new_call(name, _dumps(arguments)) for name, arguments in calls]
+
+    def _auto(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        content, deltas = "", []
+        while True:
+            if not self._in_call:
+                start = self._buffer.find(TOOL_CALL_START)
+                if start < 0:
+                    keep = 0 if final else _partial_suffix(self._buffer, TOOL_CALL_START)
+                    content += self._text(self._buffer[: len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep :]
+                    break
+                content += self._text(self._buffer[:start])
+                self._buffer = self._buffer[start + len(TOOL_CALL_START) :]
+                self._in_call = True
+            end = self._buffer.find(TOOL_CALL_END)
+            if end < 0 and not final:
+                break
+            block = self._buffer if end < 0 else self._buffer[:end]
+            self._buffer = "" if end < 0 else self._buffer[end + len(TOOL_CALL_END) :]
+            self._in_call = False
+            call = _hermes_call(block)
+            if call is None:  # not a call: the text as it was
+                content += self._text(TOOL_CALL_START + block + ("" if end < 0 else TOOL_CALL_END))
+            else:
+                self._space = ""  # the whitespace before a call is not content
+                deltas.append(self._new_call(*call))
+            if end < 0:
+                break
+        if final and not self.num_calls:
+            content, self._space = content + self._space, ""
+        return content, deltas
+
+    def _text(self, text: str) -> str:
+        """Content to send, less its trailing whitespace, held until more content follows
+        (so a stream and a whole answer drop the same whitespace around calls)."""
+        text = self._space + text
+        sent = text.rstrip()
+        self._space = text[len(sent) :]
+        return sent
+
+
+def _hermes_call(block: str) -> tuple[str, str] | None:
+    """(name, JSON arguments) of a `<tool_call>` block, or None when it is not one."""
+    try:
+        call = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    return call["name"], arguments if isinstance(arguments, str) else _dumps(arguments)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (held back: the marker
+    may be arriving)."""
+    for size in range(min(len(text), len(marker) - 1), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def whole_answer(parser: ToolCallParser, text: str) -> tuple[str | None, list[ToolCall]]:
+    """A choice's message content (None when it is only calls) and its calls, from its text."""
+    content, calls = [], []
+    for piece, deltas in (parser.feed(text), parser.finish()):
+        content.append(piece)
+        for delta in deltas:
+            if delta.id is not None:
+                calls.append(ToolCall(delta.id, delta.name, delta.arguments))
+            else:
+                calls[delta.index].arguments += delta.arguments
+    joined = "".join(content)
+    return (None if calls and not joined else joined), calls
