@@ -711,7 +711,7 @@ def chat_logprobs(
         token_id = int(token_id)
         return {
             "token": token_str(token_id),
-            "logprob": float(logprob),
+            "logprob": _finite(logprob),
             "bytes": list(token_str.bytes(token_id)),
         }
 
@@ -740,8 +740,8 @@ def completion_logprobs(
         sampled_id, sampled_lp = per_token[0]
         text = token_str(int(sampled_id))
         result["tokens"].append(text)
-        result["token_logprobs"].append(float(sampled_lp))
-        result["top_logprobs"].append({token_str(int(t)): float(lp) for t, lp in per_token})
+        result["token_logprobs"].append(_finite(sampled_lp))
+        result["top_logprobs"].append({token_str(int(t)): _finite(lp) for t, lp in per_token})
         result["text_offset"].append(text_offset)
         text_offset += len(text)
     return result

@@ -4,7 +4,7 @@
   by the engine's structured outputs to JSON that matches the tools' `parameters` schemas
   (`tool_constraint`), so their calls are always valid: a named call's whole text is its
   arguments; `required` writes vLLM's form, a JSON array of `{"name", "parameters"}` (one item
-  at most when `parallel_tool_calls` is false).
+  at most when `parallel_tool_calls` is false), each call sent once its object is complete.
 - `auto` lets the model choose, and its calls are read in Hermes' convention,
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, which the tool-trained chat
   models of the Llama and Qwen families write and `engine.apply_chat_template` teaches the
@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
+_DECODER = json.JSONDecoder()
 Mode = Literal["auto", "required", "named"]
 
 
@@ -129,14 +130,15 @@ class ToolCallParser:
     _buffer: str = ""
     _in_call: bool = False  # auto: after a `<tool_call>` whose end has not come
     _space: str = ""  # auto: trailing whitespace of the content, not sent yet
+    _pos: int = 0  # required: where the array's next call begins in the text
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """The content and the call deltas this much more text makes."""
         if self.choice.mode == "named":
             return "", self._named(text)
         self._buffer += text
-        if self.choice.mode == "required":  # a JSON array: read whole at the end
-            return "", []
+        if self.choice.mode == "required":
+            return self._required(final=False)
         return self._auto(final=False)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
@@ -144,7 +146,7 @@ class ToolCallParser:
         if self.choice.mode == "named":
             return "", []
         if self.choice.mode == "required":
-            return self._required()
+            return self._required(final=True)
         return self._auto(final=True)
 
     def _new_call(self, name: str, arguments: str) -> ToolCallDelta:
@@ -162,14 +164,24 @@ class ToolCallParser:
             return [self._new_call(self.choice.name, text)]
         return [ToolCallDelta(0, None, None, text)] if text else []
 
-    def _required(self) -> tuple[str, list[ToolCallDelta]]:
-        text, self._buffer = self._buffer, ""
-        try:
-            items = json.loads(text)
-            calls = [(item["name"], item["parameters"]) for item in items]
-        except (ValueError, TypeError, KeyError):  # cut short (max_tokens): it stays text
-            return text, []
-        return "", [self._new_call(name, _dumps(arguments)) for name, arguments in calls]
+    def _required(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        """Each call of the JSON array as soon as its object is complete, so a stream sends
+        calls one by one and an array cut short (max_tokens) keeps the calls it completed;
+        text that made no call is content."""
+        deltas = []
+        while True:
+            start = self._pos
+            while start < len(self._buffer) and self._buffer[start] in " \t\r\n,[":
+                start += 1
+            try:
+                item, self._pos = _DECODER.raw_decode(self._buffer, start)
+                name, arguments = item["name"], item["parameters"]
+            except (ValueError, TypeError, KeyError):  # not complete yet, or not a call
+                break
+            deltas.append(self._new_call(name, _dumps(arguments)))
+        if final and not self.num_calls:
+            return self._buffer, []
+        return "", deltas
 
     def _auto(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
         content, deltas = "", []

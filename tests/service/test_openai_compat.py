@@ -167,6 +167,27 @@ def test_the_known_fields_are_what_the_parsers_read_and_the_document_lists(smoll
         assert schemas[schema]["additionalProperties"] is False
 
 
+def test_the_document_says_what_the_parsers_accept(smollm2):
+    """Before: roles system/user/assistant only (the parser took any), best_of null only (the
+    parser takes best_of = n), and an SSE `retry` field the server never sends."""
+    context = ParseContext(MODEL, len(smollm2), frozenset(), "reject")
+    schemas = openapi_document(MODEL)["components"]["schemas"]
+    roles = schemas["ChatCompletionRequest"]["properties"]["messages"]["items"]["properties"]
+    for role in roles["role"]["enum"]:
+        message = {"role": role, "content": "x"} | ({"tool_call_id": "c"} if role == "tool" else {})
+        parse_chat(RequestBody({"model": MODEL, "messages": [message]}), context)
+    assert set(roles["role"]["enum"]) == {"system", "developer", "user", "assistant", "tool"}
+    best_of = schemas["CompletionRequest"]["properties"]["best_of"]
+    assert {"type": "integer", "minimum": 1} in best_of["anyOf"]
+    parse_completion(RequestBody({"model": MODEL, "prompt": "x", "n": 2, "best_of": 2}), context)
+    event = openapi_document(MODEL)["paths"]["/v1/completions"]["post"]["responses"]["200"]
+    assert set(event["content"]["text/event-stream"]["schema"]["properties"]) == {
+        "data",
+        "id",
+        "event",
+    }
+
+
 def test_the_setting_comes_from_the_environment_or_the_flag(monkeypatch):
     assert Settings().unknown_fields == "reject"
     assert Settings.from_env({"KVRAIL_UNKNOWN_FIELDS": "WARN"}).unknown_fields == "warn"

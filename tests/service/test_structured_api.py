@@ -437,9 +437,15 @@ def test_named_and_required_answers_are_their_calls():
         "set_alarm",
         '{"hour": 7, "days": ["tue"]}',
     )
-    # Cut short by max_tokens, it is not a call: the text is the content.
+    # Cut short by max_tokens before a call was complete, the text is the content.
     cut = whole_answer(ToolCallParser(ToolChoice("required"), "r", 0), text[:20])
     assert cut == (text[:20], [])
+    # Each call is sent as soon as its object is complete; a cut array keeps those calls.
+    two = '[{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}},\n {"name": "se'
+    parser = ToolCallParser(ToolChoice("required"), "r", 0)
+    sent = [parser.feed(piece)[1] for piece in (two[:40], two[40:70], two[70:])]
+    assert [[d.name for d in deltas] for deltas in sent] == [[], ["get_weather"], []]
+    assert parser.finish() == ("", [])
 
 
 def test_a_resumed_stream_of_tool_calls_goes_on_where_the_client_was(smollm2):
@@ -665,3 +671,45 @@ async def test_a_tool_history_reaches_the_model_through_its_template(redis_url, 
             assert answer.json()["choices"][0]["message"]["tool_calls"] == []
     finally:
         await fake.stop()
+
+
+def strict_json(text: str):
+    """JSON as the spec has it: -Infinity and NaN, which Python's json takes, refused."""
+
+    def refuse(constant: str):
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [False, True])
+async def test_logprobs_of_tokens_a_grammar_masks_are_finite(real, stream):
+    """With two tokens allowed, the other top ones have -inf logprobs, clamped to -9999.0
+    (OpenAI's and vLLM's floor) so the answer stays JSON."""
+    for path, extra in [
+        ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 5}),
+        ("/v1/completions", {"prompt": "Go", "logprobs": 5}),
+    ]:
+        body = {"model": TINY, "max_tokens": 4, "guided_choice": ["yes", "no"], **extra}
+        answer = await real.post(path, json={**body, "stream": stream})
+        assert answer.status_code == 200, answer.text
+        if stream:
+            events = [strict_json(b.split("data: ", 1)[1]) for b in answer.text.split("\n\n")[:-2]]
+        else:
+            events = [strict_json(answer.text)]
+        floors = [
+            lp
+            for event in events
+            for choice in event["choices"]
+            for lp in _logprob_values(choice.get("logprobs"))
+        ]
+        assert floors and min(floors) == -9999.0, path
+
+
+def _logprob_values(logprobs) -> list[float]:
+    if not logprobs:
+        return []
+    if "content" in logprobs:  # chat
+        return [t["logprob"] for e in logprobs["content"] for t in e["top_logprobs"]]
+    return [lp for top in logprobs["top_logprobs"] for lp in top.values()]
