@@ -520,9 +520,21 @@ async def test_the_official_clients_parse_returns_the_model_every_time(real):
 
 
 @pytest.mark.asyncio
-async def test_streamed_constraints_hold_for_every_choice(real):
-    """A regex, a choice and a small grammar, streamed with n = 2, sampled."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+async def test_streamed_constraints_hold_for_every_choice(real, temperature):
+    """A nested JSON schema, a regex, a choice and a small grammar, streamed with n = 2,
+    greedy and sampled."""
+    schema = {
+        "type": "json_schema",
+        "json_schema": {"name": "trip", "schema": Trip.model_json_schema()},
+    }
+
+    def is_trip(text: str) -> bool:
+        Trip.model_validate_json(text)
+        return True
+
     for extra, check in [
+        ({"response_format": schema}, is_trip),
         ({"guided_regex": "[0-9]{2}-[a-c]{3}"}, lambda t: len(t) == 6 and t[2] == "-"),
         ({"guided_choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
         (
@@ -530,13 +542,16 @@ async def test_streamed_constraints_hold_for_every_choice(real):
             lambda t: t[0] == "(" and t[-1] == ")",
         ),
     ]:
-        body = {"model": TINY, "prompt": "Go", "max_tokens": 60, "n": 2, "temperature": 1.0}
+        body = {"model": TINY, "prompt": "Go", "max_tokens": 300, "n": 2, "seed": 1}
+        body["temperature"] = temperature
         answer = await real.post("/v1/completions", json={**body, **extra, "stream": True})
         assert answer.status_code == 200, answer.text
-        texts = {0: "", 1: ""}
+        texts, finish = {0: "", 1: ""}, {}
         for event in sse_events(answer.text)[1]:
             for choice in event["choices"]:
                 texts[choice["index"]] += choice["text"]
+                finish[choice["index"]] = choice["finish_reason"] or finish.get(choice["index"])
+        assert finish == {0: "stop", 1: "stop"}, (extra, texts)
         assert all(check(t) for t in texts.values()), (extra, texts)
 
 
