@@ -249,7 +249,9 @@ class TokenChunk(_Message):
     prompt_logprobs: list[list[list[int | float]] | None] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
-    usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, total_tokens
+    # prompt_tokens, completion_tokens, total_tokens, cached_tokens (of the prompt tokens,
+    # those found in the prefix cache)
+    usage: dict[str, int] | None = None
     error: str | None = None
 
     @property

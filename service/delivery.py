@@ -50,6 +50,7 @@ class Inflight:
     enqueued_s: float  # when the producer XADDed it (from the entry id)
     next_seq: int = 0
     completion_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the engine found in the prefix cache
     last_token_s: float | None = None  # None until the first token (or resumed)
     deadline_hit: bool = False
 
@@ -82,6 +83,7 @@ class Delivery:
         inflight: dict[str, Inflight],
         response_ttl_s: int,
         max_deliveries: int,
+        model_name: str,
     ) -> None:
         self.r = r
         self.consumer = consumer
@@ -90,6 +92,7 @@ class Delivery:
         self.inflight = inflight  # request_id -> state, shared with the worker
         self.response_ttl_s = response_ttl_s
         self.max_deliveries = max_deliveries
+        self.model_name = model_name  # the metrics' label
 
     async def ingest(self, entry: streams.Entry) -> None:
         """Serve one entry. A Redis error propagates (the entry stays pending and is claimed
@@ -175,7 +178,8 @@ class Delivery:
             inflight.last_token_s = time.time()  # no time-to-first-token for a resumed request
             rlog.info("resuming", next_seq=inflight.next_seq, emitted=inflight.completion_tokens)
         else:
-            metrics.request_queue_time_seconds.observe(max(0.0, time.time() - inflight.enqueued_s))
+            queued_s = max(0.0, time.time() - inflight.enqueued_s)
+            metrics.request_queue_time_seconds.labels(self.model_name).observe(queued_s)
         self.inflight[rid] = inflight
         self.engine_thread.add(request, resume)
 

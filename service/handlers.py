@@ -66,19 +66,28 @@ async def resume_stream(request: Request) -> Response:
 
 
 async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [await _model_card(state_of(request))]})
+
+
+async def retrieve_model(request: Request) -> Response:
+    """OpenAI's `GET /v1/models/{model}`: the served model, else 404 `model_not_found`."""
     state = state_of(request)
+    check_model({"model": request.path_params["model"]}, state.model_name)
+    return JSONResponse(await _model_card(state))
+
+
+async def _model_card(state: ApiState) -> dict[str, Any]:
+    """The served model as an OpenAI model object, with vLLM's fields (its `ModelCard`)."""
     live = await state.workers.live()
-    max_model_len = min((w.max_model_len for w in live), default=state.max_model_len)
-    model = {
+    return {
         "id": state.model_name,
         "object": "model",
         "created": state.started,
         "owned_by": "kvrail",
         "root": state.model_name,
         "parent": None,
-        "max_model_len": max_model_len,
+        "max_model_len": min((w.max_model_len for w in live), default=state.max_model_len),
     }
-    return JSONResponse({"object": "list", "data": [model]})
 
 
 async def health(request: Request) -> Response:
@@ -159,6 +168,8 @@ ROUTES = [
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     Route("/v1/models", list_models, methods=["GET"]),
+    # `:path`: a served name may hold a slash, as Hugging Face ids do (`org/name`).
+    Route("/v1/models/{model:path}", retrieve_model, methods=["GET"]),
     Route("/v1/streams/{request_id}", resume_stream, methods=["GET"]),
     Route("/health", health, methods=["GET"]),
     Route("/metrics", prometheus_metrics, methods=["GET"]),

@@ -23,6 +23,15 @@ from service.delivery import Inflight
 from service.engine_thread import EngineThread
 
 HEARTBEAT_TTL_S = 5
+# `EngineStats` counters (since the engine started), each moved to the metric of its name.
+_COUNTERS = (
+    "num_preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+)
 
 
 class Heartbeat:
@@ -55,9 +64,15 @@ class Heartbeat:
         self._started_ms = int(time.time() * 1000)
         self._last_stats = engine_thread.stats
         # Gauges read the engine's latest snapshot at scrape time, not at the last tick.
-        metrics.num_requests_running.set_function(lambda: engine_thread.stats.num_running_reqs)
-        metrics.num_requests_waiting.set_function(lambda: engine_thread.stats.num_waiting_reqs)
-        metrics.kv_cache_usage_perc.set_function(lambda: engine_thread.stats.kv_cache_usage)
+        metrics.num_requests_running.labels(model_name).set_function(
+            lambda: engine_thread.stats.num_running_reqs
+        )
+        metrics.num_requests_waiting.labels(model_name).set_function(
+            lambda: engine_thread.stats.num_waiting_reqs
+        )
+        metrics.kv_cache_usage_perc.labels(model_name).set_function(
+            lambda: engine_thread.stats.kv_cache_usage
+        )
 
     async def run(self) -> None:
         while not self.stopping.is_set():
@@ -107,17 +122,12 @@ class Heartbeat:
 
     def _update_counters(self, stats: EngineStats) -> None:
         prev, self._last_stats = self._last_stats, stats
-        metrics.num_preemptions.inc(max(0, stats.num_preemptions - prev.num_preemptions))
-        metrics.prefix_cache_queries.inc(
-            max(0, stats.prefix_cache_queries - prev.prefix_cache_queries)
-        )
-        metrics.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - prev.prefix_cache_hits))
-        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-            field = "spec_decode_" + name
-            getattr(metrics, field).inc(max(0, getattr(stats, field) - getattr(prev, field)))
+        for field in _COUNTERS:
+            counter = getattr(metrics, field).labels(self.model_name)
+            counter.inc(max(0, getattr(stats, field) - getattr(prev, field)))
         prev_per_pos = prev.spec_decode_num_accepted_tokens_per_pos
         for pos, num in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
             num_before = prev_per_pos[pos] if pos < len(prev_per_pos) else 0
-            metrics.spec_decode_num_accepted_tokens_per_pos.labels(str(pos)).inc(
+            metrics.spec_decode_num_accepted_tokens_per_pos.labels(self.model_name, str(pos)).inc(
                 max(0, num - num_before)
             )

@@ -792,12 +792,21 @@ def prompt_logprobs_json(
     ]
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: the prompt tokens found in the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def cached_tokens_of(last: TokenChunk) -> int:
+    """The prompt tokens the worker found in the prefix cache (0 from one that does not say)."""
+    if last.usage and isinstance(last.usage.get("cached_tokens"), int):
+        return last.usage["cached_tokens"]
+    return 0
 
 
 def completion_tokens_of(last: TokenChunk, chunks: list[TokenChunk]) -> int:
@@ -863,7 +872,11 @@ def build_response(
         "created": parsed.created,
         "model": model,
         "choices": out,
-        "usage": make_usage(sum(len(p.token_ids) for p in prompts), completion_tokens),
+        "usage": make_usage(
+            sum(len(p.token_ids) for p in prompts),
+            completion_tokens,
+            sum(cached_tokens_of(chunks[-1]) for chunks in results),
+        ),
     }
     if "prompt_logprobs" in parsed.sampling and parsed.kind == "chat":
         response["prompt_logprobs"] = prompt_logprobs_json(
@@ -1098,7 +1111,8 @@ class StreamEvents:
         completion_tokens = 0
         if not self.shape.echo_only:
             completion_tokens = sum(completion_tokens_of(c[-1], c) for c in self.chunks)
-        usage = make_usage(self.shape.prompt_tokens, completion_tokens)
+        cached_tokens = sum(cached_tokens_of(c[-1]) for c in self.chunks)
+        usage = make_usage(self.shape.prompt_tokens, completion_tokens, cached_tokens)
         return {**self._envelope([]), "usage": usage}
 
     @staticmethod

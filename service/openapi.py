@@ -135,10 +135,18 @@ _STRUCTURED_OUTPUTS = {
 }
 _USAGE = {
     "type": "object",
-    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"],
     "properties": {
-        name: {"type": "integer", "minimum": 0}
-        for name in ("prompt_tokens", "completion_tokens", "total_tokens")
+        **{
+            name: {"type": "integer", "minimum": 0}
+            for name in ("prompt_tokens", "completion_tokens", "total_tokens")
+        },
+        # cached_tokens: prompt tokens found in the prefix cache
+        "prompt_tokens_details": {
+            "type": "object",
+            "required": ["cached_tokens"],
+            "properties": {"cached_tokens": {"type": "integer", "minimum": 0}},
+        },
     },
 }
 _ERROR = {
@@ -372,25 +380,23 @@ _SCHEMAS = {
         },
         {"prompt_logprobs": _PROMPT_LOGPROBS},
     ),
+    "Model": {
+        "type": "object",
+        "required": ["id", "object", "created", "owned_by"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+            "max_model_len": {"type": ["integer", "null"]},
+        },
+    },
     "ModelList": {
         "type": "object",
         "required": ["object", "data"],
         "properties": {
             "object": {"const": "list"},
-            "data": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "required": ["id", "object", "created", "owned_by"],
-                    "properties": {
-                        "id": {"type": "string"},
-                        "object": {"const": "model"},
-                        "created": {"type": "integer"},
-                        "owned_by": {"type": "string"},
-                        "max_model_len": {"type": ["integer", "null"]},
-                    },
-                },
-            },
+            "data": {"type": "array", "items": _ref("Model")},
         },
     },
     "TokenizeRequest": {
@@ -544,6 +550,16 @@ def openapi_document(model_name: str) -> dict[str, Any]:
                 "summary": "The served model",
                 "security": [{"bearer": []}, {}],
                 "responses": {"200": _json("ModelList", "One model"), **_errors("401")},
+            }
+        },
+        "/v1/models/{model}": {
+            "get": {
+                "summary": "The served model, by its id",
+                "security": [{"bearer": []}, {}],
+                "parameters": [
+                    {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {"200": _json("Model", "The model"), **_errors("401", "404")},
             }
         },
         "/v1/streams/{request_id}": {

@@ -2,8 +2,10 @@
 
 Each event of the engine thread (`StepOutputs`, `RequestAborted`, `RequestFailed`) becomes the
 chunks of the requests it concerns, numbered per request (`Inflight.chunk`), queued on the
-publisher as one `Batch`. A request's last chunk carries its usage; the entry's XACK and done
-mark ride in the same batch, after the chunks. Token and request metrics are observed here.
+publisher as one `Batch`. A request's last chunk carries its usage, with the prompt tokens the
+engine found in the prefix cache (OpenAI's `prompt_tokens_details.cached_tokens`); the entry's
+XACK and done mark ride in the same batch, after the chunks. Token and request metrics are
+observed here, labelled with the served model's name.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from service.publisher import Batch, Publisher
 class OutputProcessor:
     """Turns engine events into chunks for the requests in `inflight`, which it retires."""
 
-    def __init__(self, inflight: dict[str, Inflight], publisher: Publisher) -> None:
+    def __init__(
+        self, inflight: dict[str, Inflight], publisher: Publisher, model_name: str
+    ) -> None:
         self.inflight = inflight  # request_id -> state, shared with the worker
         self.publisher = publisher
+        self.model_name = model_name  # the metrics' label
 
     def process(self, event: EngineEvent) -> None:
         batch = Batch()
@@ -42,6 +47,7 @@ class OutputProcessor:
         if f is None:
             return
         key, now = f.request.response_key, time.time()
+        f.num_cached_tokens = output.num_cached_tokens
         num_new, last = 0, None
         for c in output.outputs:
             if not (c.token_ids or c.text or c.finish_reason):
@@ -70,12 +76,14 @@ class OutputProcessor:
             num_new, last = num_new + len(c.token_ids), chunk
         if num_new:
             if f.last_token_s is None:
-                metrics.time_to_first_token_seconds.observe(max(0.0, now - f.enqueued_s))
+                ttft = max(0.0, now - f.enqueued_s)
+                metrics.time_to_first_token_seconds.labels(self.model_name).observe(ttft)
             else:
-                metrics.inter_token_latency_seconds.observe(now - f.last_token_s)
+                itl = now - f.last_token_s
+                metrics.inter_token_latency_seconds.labels(self.model_name).observe(itl)
             f.last_token_s = now
             f.completion_tokens += num_new
-            metrics.generation_tokens.inc(num_new)
+            metrics.generation_tokens.labels(self.model_name).inc(num_new)
         if output.finished:
             if last is None:  # resumed with every choice done: only the usage chunk is due
                 batch.add_chunk(key, f.chunk(), f.entry_id, f.data)
@@ -114,11 +122,14 @@ class OutputProcessor:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": f.completion_tokens,
             "total_tokens": prompt_tokens + f.completion_tokens,
+            # A resumed request's hits can reach into the output it recomputes.
+            "cached_tokens": min(f.num_cached_tokens, prompt_tokens),
         }
         del self.inflight[f.request.request_id]
         batch.acks.append(f.entry_id)
         batch.done.append(f.request.request_id)
-        metrics.prompt_tokens.inc(prompt_tokens)
-        metrics.request_success.labels(finished_reason=reason).inc()
-        metrics.e2e_request_latency_seconds.observe(max(0.0, time.time() - f.enqueued_s))
+        metrics.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
+        metrics.request_success.labels(self.model_name, reason).inc()
+        e2e = max(0.0, time.time() - f.enqueued_s)
+        metrics.e2e_request_latency_seconds.labels(self.model_name).observe(e2e)
         f.log.info("request finished", reason=reason, completion_tokens=f.completion_tokens)

@@ -91,8 +91,9 @@ class Worker:
             self.inflight,
             response_ttl_s,
             settings.max_deliveries,
+            self.model_name,
         )
-        self.output_processor = OutputProcessor(self.inflight, self.publisher)
+        self.output_processor = OutputProcessor(self.inflight, self.publisher, self.model_name)
         self.heartbeat = Heartbeat(
             self.r,
             self.consumer,

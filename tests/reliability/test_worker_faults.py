@@ -13,10 +13,9 @@ import pytest
 from engine import LLM, LLMEngine, SamplingParams
 from queueing import streams
 from queueing.schema import GenerateRequest, TokenChunk, keys
-from service import metrics
 from tests.engine.tiny_models import make_tiny_model
 from tests.reliability.harness import GREEDY, prompts
-from tests.service.test_worker import hold_steps, read_chunks, serving, submit
+from tests.service.test_worker import hold_steps, read_chunks, sample, serving, submit
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -94,15 +93,15 @@ async def test_kv_demand_five_times_the_pool_preempts_and_completes(model_dir, r
     expected = offline(model_dir, texts, max_tokens)
     engine = tiny_engine(model_dir, max_model_len=256, num_kv_blocks=16, max_num_seqs=8)
     r = streams.connect(redis_url)
-    before = metrics.REGISTRY.get_sample_value("kvrail:num_preemptions_total") or 0.0
     started = time.monotonic()
     async with serving(engine, redis_url, claim_idle_ms=2000) as worker:
+        before = sample("kvrail:num_preemptions_total", worker.model_name)
         for i, text in enumerate(texts):
             sampling = {"max_tokens": max_tokens, **GREEDY}
             await submit(r, GenerateRequest(f"kv{i}", prompt=text, sampling=sampling))
         done_at = await _finish_times(r, [f"kv{i}" for i in range(len(texts))])
         await asyncio.sleep(worker.tick_s * 2)  # the heartbeat tick moves counters to metrics
-    after = metrics.REGISTRY.get_sample_value("kvrail:num_preemptions_total") or 0.0
+    after = sample("kvrail:num_preemptions_total", worker.model_name)
     assert [tokens(c) for c, _ in done_at] == expected
     assert after - before > 0
     finish_order = sorted(range(len(texts)), key=lambda i: done_at[i][1])

@@ -202,6 +202,7 @@ async def test_models_health_metrics_openapi(http):
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/models",
+        "/v1/models/{model}",
         "/v1/streams/{request_id}",
         "/health",
         "/metrics",
@@ -210,6 +211,17 @@ async def test_models_health_metrics_openapi(http):
     } <= set(document["paths"])
     text = (await http.get("/metrics")).text
     assert 'kvrail:http_requests_total{method="GET",route="/v1/models",status="200"}' in text
+
+
+@pytest.mark.asyncio
+async def test_retrieve_model_gives_the_listed_object_or_404(http):
+    """OpenAI's `GET /v1/models/{model}`: the entry `/v1/models` lists; any other id (one
+    with a slash too, as Hugging Face names have) is a 404 `model_not_found`."""
+    listed = (await http.get("/v1/models")).json()["data"][0]
+    assert (await http.get(f"/v1/models/{MODEL}")).json() == listed
+    for unknown in ("nope", "org/nope"):
+        error = assert_error(await http.get(f"/v1/models/{unknown}"), 404, "model")
+        assert error["code"] == "model_not_found" and unknown in error["message"]
 
 
 @pytest.mark.asyncio
@@ -226,6 +238,7 @@ async def test_completion_non_stream(http, worker, tokenizer):
         "prompt_tokens": len(prompt_ids),
         "completion_tokens": 3,
         "total_tokens": len(prompt_ids) + 3,
+        "prompt_tokens_details": {"cached_tokens": 0},  # a worker that does not say: 0
     }
 
 
@@ -494,6 +507,9 @@ async def test_official_openai_client(start_api, worker):
     assert completion.choices[0].text == " w0 w1 w2"
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert (await client.models.retrieve(MODEL)).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("nope")
     with pytest.raises(openai.NotFoundError):
         await client.completions.create(model="nope", prompt="Hello")
     await client.close()

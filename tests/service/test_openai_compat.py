@@ -257,6 +257,7 @@ async def test_a_batch_of_prompts_is_one_engine_request_each(real, offline, redi
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 2 * 2 * 4,
         "total_tokens": prompt_tokens + 16,
+        "prompt_tokens_details": {"cached_tokens": 0},  # two prompts, no block in common
     }
     r = aioredis.Redis.from_url(redis_url)
     assert [await r.exists(keys.response(f"{answer['id']}-{p}")) for p in (0, 1)] == [1, 1]
@@ -540,3 +541,18 @@ async def test_chat_logprobs_bytes_are_the_tokens_bytes(real, smollm2):
             content = response.json()["choices"][0]["logprobs"]["content"]
         assert [e["bytes"] for e in content] == [[0xF0, 0x9F]] * 2
         assert [e["token"] for e in content] == [smollm2.decode([fragment])] * 2
+
+
+@pytest.mark.asyncio
+async def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(real):
+    """OpenAI's `usage.prompt_tokens_details.cached_tokens`: 0 the first time a prompt is
+    seen, its full blocks the second time, streamed or not."""
+    prompt = list(range(300, 340))  # 40 tokens: two full blocks of 16
+    body = {"model": TINY, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = (await real.post("/v1/completions", json=body)).json()["usage"]
+    second = (await real.post("/v1/completions", json=body)).json()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["prompt_tokens_details"] == {"cached_tokens": 32}
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    events = sse_events((await real.post("/v1/completions", json=streamed)).text)[1]
+    assert events[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}

@@ -7,10 +7,9 @@ import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
 from queueing.schema import GenerateRequest
-from service import metrics
 from tests.engine.tiny_models import make_chain_model
 from tests.service.conftest import ENGINE_KWARGS
-from tests.service.test_worker import GREEDY, joined, read_chunks, serving, submit, until
+from tests.service.test_worker import GREEDY, joined, read_chunks, sample, serving, submit, until
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -26,27 +25,24 @@ def chain_model(tmp_path_factory):
     return str(path)
 
 
-def sample(name: str, labels: dict[str, str] | None = None) -> float:
-    return metrics.REGISTRY.get_sample_value(name, labels or {}) or 0.0
-
-
 async def test_a_speculating_worker_streams_accepted_runs(chain_model, redis, redis_url):
     params = SamplingParams(max_tokens=40, **GREEDY)
     (plain,) = LLM(chain_model, **ENGINE_KWARGS).generate(PROMPT, params)
     engine = LLMEngine.from_kwargs(model=chain_model, speculative_config=NGRAM, **ENGINE_KWARGS)
     drafts = "kvrail:spec_decode_num_drafts_total"
     per_pos = "kvrail:spec_decode_num_accepted_tokens_per_pos_total"
-    drafts_before, first_before = sample(drafts), sample(per_pos, {"position": "0"})
-    async with serving(engine, redis_url):
+    async with serving(engine, redis_url) as worker:
+        model = worker.model_name
+        drafts_before, first_before = sample(drafts, model), sample(per_pos, model, position="0")
         sampling = dict(max_tokens=40, **GREEDY)
         await submit(redis, GenerateRequest("s1", prompt=PROMPT, sampling=sampling))
         chunks = await read_chunks(redis, "s1")
         # The heartbeat publishes the engine's counters.
-        await until(lambda: sample(drafts) > drafts_before)
+        await until(lambda: sample(drafts, model) > drafts_before)
     assert joined(chunks) == (plain.outputs[0].token_ids, plain.outputs[0].text)
     assert max(len(c.token_ids) for c in chunks) > 1
     assert len(chunks) < 40
-    assert sample(per_pos, {"position": "0"}) > first_before
-    assert sample("kvrail:spec_decode_num_accepted_tokens_total") <= sample(
-        "kvrail:spec_decode_num_draft_tokens_total"
+    assert sample(per_pos, model, position="0") > first_before
+    assert sample("kvrail:spec_decode_num_accepted_tokens_total", model) <= sample(
+        "kvrail:spec_decode_num_draft_tokens_total", model
     )

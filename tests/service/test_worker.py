@@ -138,10 +138,15 @@ async def num_pending(r) -> int:
     return (await r.xpending(keys.requests, keys.group))["pending"]
 
 
+def sample(name: str, model_name: str, **labels: str) -> float:
+    """An engine metric's value for the model served as `model_name` (0 until it is set)."""
+    return metrics.REGISTRY.get_sample_value(name, {"model_name": model_name, **labels}) or 0.0
+
+
 async def test_generates_like_offline(engine, reference, redis, redis_url):
     tokens, text = reference(PROMPT, 24)
-    generated = metrics.REGISTRY.get_sample_value("kvrail:generation_tokens_total") or 0.0
     async with serving(engine, redis_url) as worker:
+        generated = sample("kvrail:generation_tokens_total", worker.model_name)
         await submit(
             redis, GenerateRequest("r1", prompt=PROMPT, sampling=dict(max_tokens=24, **GREEDY))
         )
@@ -167,7 +172,57 @@ async def test_generates_like_offline(engine, reference, redis, redis_url):
     # Answered entries leave the request stream (issue 12: every prompt was kept forever).
     assert await redis.xlen(keys.requests) == 0
     assert await redis.hget(keys.request_state("r1"), "state") == b"done"
-    assert metrics.REGISTRY.get_sample_value("kvrail:generation_tokens_total") == generated + 40
+    assert sample("kvrail:generation_tokens_total", worker.model_name) == generated + 40
+
+
+async def test_engine_metrics_are_labelled_with_the_served_model(engine, redis, redis_url):
+    """As vLLM's: every engine metric carries `model_name`, the name the model is served
+    under; the HTTP metrics carry none."""
+    request = GenerateRequest(
+        "m1", prompt_token_ids=list(range(2000, 2010)), sampling=dict(max_tokens=4, **GREEDY)
+    )
+    async with serving(engine, redis_url, model_name="served-name") as worker:
+        await submit(redis, request)
+        await read_chunks(redis, "m1")
+        await asyncio.sleep(worker.tick_s * 2)  # the heartbeat tick moves counters to metrics
+        model = "served-name"
+        assert sample("kvrail:prompt_tokens_total", model) == 10
+        assert sample("kvrail:generation_tokens_total", model) == 4
+        assert sample("kvrail:request_success_total", model, finished_reason="length") == 1
+        assert sample("kvrail:request_queue_time_seconds_count", model) == 1
+        assert sample("kvrail:time_to_first_token_seconds_count", model) == 1
+        assert sample("kvrail:inter_token_latency_seconds_count", model) == 3
+        assert sample("kvrail:e2e_request_latency_seconds_count", model) == 1
+        assert sample("kvrail:prefix_cache_queries_total", model) >= 10
+        for name in (  # set, if to 0
+            "num_requests_running",
+            "num_requests_waiting",
+            "kv_cache_usage_perc",
+            "num_preemptions_total",
+            "prefix_cache_hits_total",
+            "spec_decode_num_drafts_total",
+        ):
+            labels = {"model_name": model}
+            assert metrics.REGISTRY.get_sample_value(f"kvrail:{name}", labels) is not None, name
+        for family in metrics.REGISTRY.collect():
+            engine_side = not family.name.startswith("kvrail:http_")
+            for s in family.samples:
+                assert ("model_name" in s.labels) == engine_side, s
+
+
+async def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(engine, redis, redis_url):
+    """For OpenAI's `prompt_tokens_details.cached_tokens`: the last chunk's usage counts the
+    prompt tokens served from the prefix cache, the full 16-token blocks of a prompt seen
+    before."""
+    prompt = dict(prompt_token_ids=list(range(1000, 1040)))  # 2 blocks + 8, in no other test
+    sampling = dict(max_tokens=2, **GREEDY)
+    usage = []
+    async with serving(engine, redis_url):
+        for request_id in ("cached-1", "cached-2"):
+            await submit(redis, GenerateRequest(request_id, **prompt, sampling=sampling))
+            usage.append((await read_chunks(redis, request_id))[-1].usage)
+    assert [u["prompt_tokens"] for u in usage] == [40, 40]
+    assert [u["cached_tokens"] for u in usage] == [0, 32]
 
 
 async def test_duplicate_request_id_is_generated_once(engine, redis, redis_url):
