@@ -300,6 +300,20 @@ def test_kv_cache_spec_sizes_and_zero_allocation():
     assert not k_cache.view(torch.uint8).any()  # e4m3 zero is the zero byte
 
 
+def test_the_triton_backend_without_triton_says_what_to_use(monkeypatch):
+    """The CPU image has no triton (996 MB of it, for kernels a CPU never runs)."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "triton" else find_spec(name, *a),
+    )
+    with pytest.raises(ValueError, match=r"needs the triton package.*use 'cpu' or 'torch'"):
+        get_attn_backend("triton")
+
+
 def test_unknown_backend_and_forward_context():
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_attn_backend("flash")
