@@ -47,11 +47,13 @@ CORPUS_MODULES = (
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One request of a workload: a window of corpus tokens and how many tokens to generate."""
+    """One request of a workload: a window of corpus tokens and how many tokens to generate;
+    `priority` for an engine that schedules by it (`benchmarks.priority`)."""
 
     request_id: str
     prompt_token_ids: list[int]
     output_len: int
+    priority: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -252,7 +254,10 @@ def run_timed_offline(
                 start=t0 + max(offset, slot_free_since), prompt_len=request.prompt_len
             )
             engine.add_request(
-                request.request_id, request.prompt_token_ids, params[request.request_id]
+                request.request_id,
+                request.prompt_token_ids,
+                params[request.request_id],
+                priority=request.priority,
             )
             in_flight += 1
         if not engine.has_unfinished_requests():

@@ -9,6 +9,8 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "fp8")  # W8A8 int8 (CPU and CUDA); fp8 weights (CUDA with fp8 only)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto = the model dtype; fp8 = e4m3 with scales
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+# vLLM's: fcfs = arrival order; priority = lowest `priority` first, ties by arrival
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # Drafts longer than this are all but never accepted whole (acceptance decays per position)
 # and each proposed token costs a verified row whether accepted or not.
 MAX_NUM_SPECULATIVE_TOKENS = 8
@@ -118,6 +120,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings, capped at 8192
     long_prefill_token_threshold: int = 0  # >0: a prefill takes at most this many tokens a step
     max_waiting_requests: int = 4096  # add_request beyond this raises (overload is answered)
+    scheduling_policy: str = "fcfs"  # see SCHEDULING_POLICIES
     # None = no speculative decoding; a dict is read as `SpeculativeConfig.from_dict`
     speculative_config: SpeculativeConfig | None = None
 
@@ -160,6 +163,11 @@ class EngineConfig:
             self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold", "must be >= 0"
         )
         check(self.max_waiting_requests >= 1, "max_waiting_requests", "must be >= 1")
+        check(
+            self.scheduling_policy in SCHEDULING_POLICIES,
+            "scheduling_policy",
+            f"must be one of {SCHEDULING_POLICIES}",
+        )
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -180,6 +188,7 @@ class SchedulerConfig:
     max_model_len: int
     long_prefill_token_threshold: int = 0
     max_waiting_requests: int = 4096
+    policy: str = "fcfs"  # EngineConfig.scheduling_policy
     num_speculative_tokens: int = 0  # drafts a request may carry into a step (0: none)
     # KV slots reserved past a step's tokens: the draft model writes its drafts' KV there
     num_lookahead_tokens: int = 0

@@ -70,6 +70,7 @@ class EngineCore:
                 max_model_len=max_model_len,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 max_waiting_requests=config.max_waiting_requests,
+                policy=config.scheduling_policy,
                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                 num_lookahead_tokens=spec.num_speculative_tokens
                 if spec and spec.method == "draft_model"

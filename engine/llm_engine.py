@@ -139,8 +139,12 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         resume: Sequence[Sequence[int] | None] | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request; with `n > 1`, its children share the prompt's KV.
+
+        `priority` (vLLM's): with `scheduling_policy="priority"`, lower values run first and
+        are preempted last, ties by arrival; under "fcfs" only 0 is taken, as in vLLM.
 
         `resume` continues a request whose earlier output was delivered elsewhere (a worker
         died): per choice index, the tokens already emitted (recomputed, never emitted
@@ -154,6 +158,13 @@ class LLMEngine:
         """
         if request_id in self.parents:
             raise ValueError(f"request_id {request_id!r} is already running")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"got priority {priority} but priority scheduling is not enabled "
+                "(scheduling_policy='priority')"
+            )
         prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
         if resume is not None and len(resume) != params.n:
             raise ValueError(f"resume needs one entry per choice ({params.n})")
@@ -199,6 +210,7 @@ class LLMEngine:
                         child.params,
                         self.tokenizer.eos_token_id,
                         num_resumed_tokens=len(child.resumed_token_ids),
+                        priority=priority,
                     )
                 )
                 added.append(child_id)
@@ -391,8 +403,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generate completions for all prompts; returns them in the order given."""
+        """Generate completions for all prompts; returns them in the order given.
+        `priority`: one per prompt (`LLMEngine.add_request`'s), None = all 0."""
         if isinstance(prompts, (str, dict)) or (
             prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -406,12 +420,16 @@ class LLM:
             raise ValueError(
                 f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts"
             )
+        if priority is None:
+            priority = [0] * len(prompts)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         request_ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params, strict=True):
+            for prompt, params, prio in zip(prompts, sampling_params, priority, strict=True):
                 request_id = str(self._next_request_id)
                 self._next_request_id += 1
-                self.llm_engine.add_request(request_id, prompt, params)
+                self.llm_engine.add_request(request_id, prompt, params, priority=prio)
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)

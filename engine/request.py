@@ -284,6 +284,8 @@ class Request:
 
     `num_resumed_tokens`: the prompt's last tokens were emitted as output before a resume
     (`LLMEngine.add_request(resume=...)`); a grammar's matcher accepts them first.
+    `priority`: under the "priority" scheduling policy, lower values run first, ties by
+    `arrival_order` (the scheduler numbers requests as they arrive).
     """
 
     def __init__(
@@ -293,8 +295,11 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None,
         num_resumed_tokens: int = 0,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.priority = priority
+        self.arrival_order = 0  # set by `Scheduler.add_request`
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id

@@ -15,12 +15,23 @@ whose grammar still compiles waits (`WAITING_FOR_FSM`) while the requests behind
 step fills the grammar bitmask of the constrained requests that sample, and each appended
 token advances the request's matcher (drafts are cut to what the grammar allows). A scheduler
 without a constrained request does neither.
+
+The scheduling policy (vLLM's `scheduling_policy`) is only where a request is put in the two
+queues. Under "fcfs" `waiting` is in arrival order (a preempted request back at its head) and
+`running` in admission order. Under "priority" both are kept sorted by (priority, arrival):
+the waiting request admitted next is the one with the lowest key, the running requests get
+the budget in key order, and the one preempted under KV pressure, the last of `running`, is
+the lowest priority, then the latest. Equal priorities are served first come, first served,
+so none of them starves; a higher priority does not preempt a running request for a seat, it
+takes the next one (as in vLLM v1).
 """
 
 from __future__ import annotations
 
+from bisect import insort
 from collections import deque
 from collections.abc import Container, Iterable
+from operator import attrgetter
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import KVCacheManager
@@ -34,6 +45,10 @@ from engine.outputs import (
 )
 from engine.request import Request, RequestStatus, check_prompt_len
 from engine.structured_outputs import grammar_bitmask
+
+# The order of both queues under the "priority" policy: the first runs first, the last is
+# preempted first.
+_PRIORITY_ORDER = attrgetter("priority", "arrival_order")
 
 
 class Scheduler:
@@ -51,8 +66,11 @@ class Scheduler:
             cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         self.requests: dict[str, Request] = {}  # live (unfinished) requests
+        self.by_priority = scheduler_config.policy == "priority"
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last is preempted first
+        # In admission order (fcfs) or `_PRIORITY_ORDER`: the last is preempted first.
+        self.running: list[Request] = []
+        self.num_arrivals = 0
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self.num_structured_output_reqs = 0  # live requests with a grammar
         self.num_preemptions = 0
@@ -69,8 +87,10 @@ class Scheduler:
             raise OverflowError(
                 f"waiting queue is full ({self.config.max_waiting_requests} requests)"
             )
+        request.arrival_order = self.num_arrivals
+        self.num_arrivals += 1
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(self.waiting, request)
         self.num_structured_output_reqs += request.use_structured_output
 
     def schedule(self, request_ids: Container[str] | None = None) -> SchedulerOutput:
@@ -107,6 +127,8 @@ class Scheduler:
                 )
                 if new_blocks is not None:
                     break
+                # The latest admitted (fcfs), the lowest priority then latest (priority): never
+                # one this loop has scheduled already, as it serves `running` from the front.
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -122,7 +144,7 @@ class Scheduler:
             token_budget -= num_new_tokens
             req_index += 1
 
-        # Then waiting ones, in order, while there is budget, room in the batch and KV room.
+        # Then waiting ones, in queue order, while there is budget, room in the batch and KV room.
         for request in self.waiting:
             if token_budget <= 0 or preempted or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -151,7 +173,7 @@ class Scheduler:
             else:
                 new_reqs.append(request)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._enqueue(self.running, request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
         for request in new_reqs + resumed_reqs:
@@ -205,13 +227,26 @@ class Scheduler:
         request.spec_token_ids = []  # waiting requests carry no drafts
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(self.waiting, request, at_head=True)
+
+    def _enqueue(
+        self, queue: deque[Request] | list[Request], request: Request, at_head: bool = False
+    ) -> None:
+        """Put a request in `waiting` or `running`: at its place in `_PRIORITY_ORDER` under
+        the priority policy, else at the end, or `at_head` (a preempted or undone one)."""
+        if self.by_priority:
+            insort(queue, request, key=_PRIORITY_ORDER)
+        elif at_head:
+            queue.appendleft(request)
+        else:
+            queue.append(request)
 
     def undo_step(self, scheduler_output: SchedulerOutput) -> None:
         """Take back a step whose execution raised: its requests return to the head of the
-        waiting queue in their order, to be recomputed (the new ones as new: the runner forgot
-        them), and the blocks it was to fill leave the prefix cache, as their KV may be missing.
-        Preemptions it made stand: they only cost a recompute."""
+        waiting queue in their order (under priority, to their places), to be recomputed (the
+        new ones as new: the runner forgot them), and the blocks it was to fill leave the
+        prefix cache, as their KV may be missing. Preemptions it made stand: they only cost a
+        recompute."""
         self.finished_req_ids |= scheduler_output.finished_req_ids
         new_req_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
         scheduled = scheduler_output.num_scheduled_tokens
@@ -226,7 +261,7 @@ class Scheduler:
             else:
                 request.status = RequestStatus.PREEMPTED
             request.spec_token_ids = []
-            self.waiting.appendleft(request)
+            self._enqueue(self.waiting, request, at_head=True)
 
     def _make_output(
         self,

@@ -33,6 +33,7 @@ MAX_PROMPT_CHARS = 1 << 20
 MAX_PROMPT_TOKENS = 1 << 17
 MAX_MESSAGES = 1024
 MAX_ID_LEN = 128
+MAX_PRIORITY = 2**31 - 1  # |priority| at most this: room for any order, within the wire's ints
 NAMESPACE = "kvrail:"
 
 
@@ -88,6 +89,12 @@ def check_prompt_logprobs_size(num_prompt_tokens: int, num_logprobs: int) -> Non
         )
 
 
+def check_priority(priority: int) -> None:
+    """Raise SchemaError unless a request's priority is within +-MAX_PRIORITY."""
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise SchemaError(f"priority must be in [{-MAX_PRIORITY}, {MAX_PRIORITY}]")
+
+
 def _accepted(kinds: tuple[type, ...], nullable: bool) -> tuple[type, ...]:
     return (*kinds, type(None)) if nullable else kinds
 
@@ -110,7 +117,12 @@ class _Message:
     those without a default."""
 
     def encode(self) -> bytes:
-        return msgpack.packb({"v": VERSION, **asdict(self)}, use_bin_type=True)
+        """The msgpack map; a field added later (`_added_later`) only when it is set."""
+        values = asdict(self)
+        for f in fields(self):
+            if f.metadata.get("added_later") and values[f.name] == f.default:
+                del values[f.name]
+        return msgpack.packb({"v": VERSION, **values}, use_bin_type=True)
 
     @classmethod
     def decode(cls, data: bytes) -> Any:
@@ -174,6 +186,13 @@ def _required(cls: type[_Message]) -> tuple[str, ...]:
     )
 
 
+def _added_later(default: Any) -> Any:
+    """A field added to a message of this version after it shipped: left out of the map while
+    at its default, so a process that predates it (a rolling upgrade) still decodes every
+    message that does not use it, and refuses, naming the field, one that does."""
+    return field(default=default, metadata={"added_later": True})
+
+
 def _check_id(value: str, name: str) -> None:
     if not 0 < len(value) <= MAX_ID_LEN or not value.isprintable() or " " in value:
         raise SchemaError(f"{name} must be 1..{MAX_ID_LEN} printable characters without spaces")
@@ -191,9 +210,12 @@ class GenerateRequest(_Message):
     sampling: dict[str, Any] = field(default_factory=dict)
     reply_to: str | None = None  # response stream; None = keys.response(request_id)
     deadline_ms: int | None = None  # unix ms after which the request is finished with an error
+    # vLLM's: lower runs first on an engine with scheduling_policy "priority"; others take 0 only
+    priority: int = _added_later(0)
 
     def validate(self) -> None:
         _check_id(self.request_id, "request_id")
+        check_priority(self.priority)
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
         if sum(given) != 1:
             raise SchemaError("exactly one of prompt, prompt_token_ids, messages is required")

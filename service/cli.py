@@ -36,6 +36,7 @@ ENGINE_OPTIONS = {
     "kv_cache_dtype": str,
     "max_num_seqs": int,
     "max_waiting_requests": int,
+    "scheduling_policy": str,
     "max_num_batched_tokens": int,
     "max_model_len": int,
     "num_kv_blocks": int,

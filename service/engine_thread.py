@@ -214,7 +214,13 @@ class EngineThread(threading.Thread):
                     prompt_token_ids = command.prompt["prompt_token_ids"]
                     final = RequestOutput(request.request_id, None, prompt_token_ids, [], True)
                     return StepOutputs([final])
-            self.engine.add_request(request.request_id, command.prompt, params, resume=resume)
+            self.engine.add_request(
+                request.request_id,
+                command.prompt,
+                params,
+                resume=resume,
+                priority=request.priority,
+            )
         except (OverflowError, ValueError, TypeError) as e:
             return request_failed(request.request_id, e)
         self.num_added += 1

@@ -297,7 +297,12 @@ async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
                 raise ApiError(400, str(e), param="prompt_logprobs") from None
     await _check_backlog(state, len(prompts))
     generates = [
-        GenerateRequest(request_id, prompt_token_ids=prompt.token_ids, sampling=parsed.sampling)
+        GenerateRequest(
+            request_id,
+            prompt_token_ids=prompt.token_ids,
+            sampling=parsed.sampling,
+            priority=parsed.priority,
+        )
         for request_id, prompt in zip(parsed.engine_request_ids, prompts, strict=True)
     ]
     try:

@@ -32,7 +32,7 @@ from engine import (
     apply_chat_template,
     sampling_fields,
 )
-from queueing.schema import TokenChunk
+from queueing.schema import SchemaError, TokenChunk, check_priority
 from service.tool_calls import ToolCallParser, ToolChoice, tool_constraint, whole_answer
 
 log = structlog.get_logger("kvrail.api")
@@ -176,6 +176,7 @@ class ParsedRequest:
     # dropped, as vLLM does; the prompt's logprobs are what such a request is for
     echo_only: bool = False
     tool_choice: ToolChoice | None = None  # chat with tools: how its choices call them
+    priority: int = 0  # vLLM's: lower runs first (`GenerateRequest.priority`)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -386,6 +387,17 @@ def _check_prompt_logprobs_stream(sampling: dict[str, Any], stream: bool) -> Non
     del sampling["prompt_logprobs"]
 
 
+def _parse_priority(body: dict[str, Any]) -> int:
+    """vLLM's `priority`: an integer, lower first; a worker whose engine schedules fcfs
+    refuses any but 0 (the request's error)."""
+    priority = get_field(body, "priority", (int,), 0)
+    try:
+        check_priority(priority)
+    except SchemaError as e:
+        raise ApiError(400, str(e), param="priority") from None
+    return priority
+
+
 def _reject_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
     for name in names:
         if body.get(name) not in (None, False, [], ""):
@@ -419,6 +431,7 @@ def parse_completion(body: RequestBody, context: ParseContext) -> ParsedRequest:
             )
         sampling.setdefault("prompt_logprobs", logprobs)
     _check_prompt_logprobs_stream(sampling, stream)
+    priority = _parse_priority(body)
     _unknown(body.unread(), context.unknown_fields)
     return ParsedRequest(
         "completion",
@@ -429,6 +442,7 @@ def parse_completion(body: RequestBody, context: ParseContext) -> ParsedRequest:
         prompts,
         echo=echo,
         echo_only=echo_only,
+        priority=priority,
     )
 
 
@@ -488,6 +502,7 @@ def parse_chat(body: RequestBody, context: ParseContext) -> ParsedRequest:
         sampling["logprobs"] = top_logprobs or 0
     stream, include_usage = _parse_stream(body)
     _check_prompt_logprobs_stream(sampling, stream)
+    priority = _parse_priority(body)
     _unknown(body.unread(), context.unknown_fields)
     return ParsedRequest(
         "chat",
@@ -498,6 +513,7 @@ def parse_chat(body: RequestBody, context: ParseContext) -> ParsedRequest:
         messages=messages,
         chat_template=chat_template,
         tool_choice=tool_choice,
+        priority=priority,
     )
 
 

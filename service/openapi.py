@@ -16,6 +16,7 @@ from engine import (
     STRUCTURED_OUTPUT_KINDS,
     sampling_fields,
 )
+from queueing.schema import MAX_PRIORITY
 from service.openai_protocol import ROLES
 
 _REF = "#/components/schemas/"
@@ -73,6 +74,8 @@ _SAMPLING = {
         }
     ),
     "stream": {"type": "boolean"},
+    # vLLM's: lower runs first on a worker whose engine schedules by priority (others take 0)
+    "priority": _nullable({"type": "integer", "minimum": -MAX_PRIORITY, "maximum": MAX_PRIORITY}),
     "stream_options": _nullable(
         {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}
     ),

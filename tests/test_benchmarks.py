@@ -123,7 +123,7 @@ class FakeEngine:
         self.left: dict[str, int] = {}
         self.max_running = 0
 
-    def add_request(self, request_id, prompt, params) -> None:
+    def add_request(self, request_id, prompt, params, priority=0) -> None:
         self.left[request_id] = params.max_tokens
         self.max_running = max(self.max_running, len(self.left))
 
@@ -228,6 +228,7 @@ def test_parse_range_and_verdict():
         "spec_decode",
         "attention_kernels",
         "structured",
+        "priority",
     ],
 )
 def test_help_exits_zero(script):

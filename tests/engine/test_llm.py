@@ -547,3 +547,43 @@ def test_a_prompt_tokenized_elsewhere_keeps_its_text_and_is_checked(tiny_llm):
         engine.add_request("long", {"prompt": "x", "prompt_token_ids": too_long}, params)
     assert not engine.has_unfinished_requests()
     assert_pool_free(tiny_llm)
+
+
+def test_priority_policy_runs_a_request_submitted_last_first(tiny_llama, tiny_llm):
+    """One seat (max_num_seqs=1): the priority-0 request added after three priority-1 ones
+    produces every token before them, and they follow in arrival order; the text does not
+    depend on the policy."""
+    llm = LLM(str(tiny_llama), dtype="float32", max_num_seqs=1, scheduling_policy="priority")
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"low-{i}", PROMPTS[i], params, priority=1)
+    engine.add_request("high", PROMPTS[3], params, priority=0)
+    stepped = []  # the request of each step's tokens
+    while engine.has_unfinished_requests():
+        stepped += [out.request_id for out in engine.step() if out.outputs[0].token_ids]
+    assert stepped == [r for r in ("high", "low-0", "low-1", "low-2") for _ in range(6)]
+    by_priority = llm.generate(PROMPTS[:4], params, priority=[1, 1, 1, 0])
+    fcfs = tiny_llm.generate(PROMPTS[:4], params)
+    assert [o.outputs[0].token_ids for o in by_priority] == [o.outputs[0].token_ids for o in fcfs]
+    assert_pool_free(llm)
+
+
+def test_bad_priorities_are_refused(tiny_llm):
+    """The fcfs policy takes priority 0 only (vLLM too); a priority is an integer; `generate`
+    needs one per prompt. Nothing is left queued."""
+    engine = tiny_llm.llm_engine
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        engine.add_request("p", PROMPTS[0], params, priority=1)
+    for priority in (1.5, True, "0"):
+        with pytest.raises(ValueError, match="priority must be an integer"):
+            engine.add_request("p", PROMPTS[0], params, priority=priority)
+    with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
+        tiny_llm.generate(PROMPTS[:2], params, priority=[0])
+    with pytest.raises(ValueError, match="not enabled"):
+        tiny_llm.generate(PROMPTS[:2], params, priority=[0, -1])
+    assert not engine.has_unfinished_requests()
+    (output,) = tiny_llm.generate(PROMPTS[0], params, priority=[0])
+    assert len(output.outputs[0].token_ids) == 2
+    assert_pool_free(tiny_llm)

@@ -14,7 +14,13 @@ EOS = 2
 
 
 def make_scheduler(
-    num_blocks=64, block_size=4, budget=32, max_num_seqs=8, prefix_caching=True, threshold=0
+    num_blocks=64,
+    block_size=4,
+    budget=32,
+    max_num_seqs=8,
+    prefix_caching=True,
+    threshold=0,
+    policy="fcfs",
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -22,6 +28,7 @@ def make_scheduler(
             max_num_batched_tokens=budget,
             max_model_len=min(256, num_blocks * block_size),
             long_prefill_token_threshold=threshold,
+            policy=policy,
         ),
         CacheConfig(
             block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=prefix_caching
@@ -29,9 +36,13 @@ def make_scheduler(
     )
 
 
-def make_request(req_id: str, num_prompt: int, max_tokens: int = 4, base: int = 10) -> Request:
+def make_request(
+    req_id: str, num_prompt: int, max_tokens: int = 4, base: int = 10, priority: int = 0
+) -> Request:
     prompt = [base + (i % 50) for i in range(num_prompt)]
-    return Request(req_id, prompt, SamplingParams(max_tokens=max_tokens), eos_token_id=EOS)
+    return Request(
+        req_id, prompt, SamplingParams(max_tokens=max_tokens), eos_token_id=EOS, priority=priority
+    )
 
 
 def fake_runner(sched: Scheduler, out: SchedulerOutput, token_id: int = 7) -> ModelRunnerOutput:

@@ -5,9 +5,10 @@ Redis during a rolling upgrade."""
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
-from queueing.schema import Abort, GenerateRequest, TokenChunk, WorkerInfo
+from queueing.schema import Abort, GenerateRequest, SchemaError, TokenChunk, WorkerInfo
 
 RECORDED = [
     (
@@ -88,3 +89,17 @@ def test_message_packed_before_the_change_decodes_after_it(packed, expected):
     message = type(expected).decode(bytes.fromhex(packed))
     assert message == expected
     assert message.encode() == bytes.fromhex(packed)
+
+
+def test_a_field_added_later_travels_only_when_set():
+    """`GenerateRequest.priority` came after the recordings above: at 0 a message packs as
+    it did before (an older worker decodes it), set it travels and decodes, strictly."""
+    plain = GenerateRequest("cmpl-1", prompt="x")
+    assert GenerateRequest("cmpl-1", prompt="x", priority=0).encode() == plain.encode()
+    urgent = GenerateRequest("cmpl-1", prompt="x", priority=-3)
+    assert urgent.encode() != plain.encode()
+    assert GenerateRequest.decode(urgent.encode()) == urgent
+    for bad, why in [(True, "has type bool"), (1.0, "has type float"), (2**31, "must be in")]:
+        packed = msgpack.packb({"v": 1, "request_id": "r", "prompt": "x", "priority": bad})
+        with pytest.raises(SchemaError, match=why):
+            GenerateRequest.decode(packed)

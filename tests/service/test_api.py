@@ -243,6 +243,16 @@ async def test_completion_non_stream(http, worker, tokenizer):
 
 
 @pytest.mark.asyncio
+async def test_priority_is_passed_to_the_worker(http, worker):
+    """vLLM's `priority` field, on both endpoints, streamed or not, each prompt of a batch."""
+    await http.post("/v1/completions", json={"model": MODEL, "prompt": ["x", "y"], "priority": -2})
+    await http.post("/v1/chat/completions", json={**CHAT, "priority": 5, "stream": True})
+    await http.post("/v1/chat/completions", json={**CHAT, "priority": None})
+    await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert [r.priority for r in worker.requests] == [-2, -2, 5, 0, 0]
+
+
+@pytest.mark.asyncio
 async def test_completion_logprobs_shape(http):
     body = {"model": MODEL, "prompt": [1, 2, 3], "logprobs": 2}
     choice = (await http.post("/v1/completions", json=body)).json()["choices"][0]
@@ -394,6 +404,22 @@ JSON_TYPE = {"content-type": "application/json"}
         ("POST", "/v1/completions", {"model": MODEL, "prompt": [99999999]}, 400, "prompt"),
         ("POST", "/v1/completions", {"model": "other", "prompt": "x"}, 404, "model"),
         ("POST", "/v1/chat/completions", {**CHAT, "temperature": True}, 400, "temperature"),
+        ("POST", "/v1/chat/completions", {**CHAT, "priority": "1"}, 400, "priority"),
+        ("POST", "/v1/chat/completions", {**CHAT, "priority": True}, 400, "priority"),
+        (
+            "POST",
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "priority": 1.5},
+            400,
+            "priority",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            {"model": MODEL, "prompt": "x", "priority": 2**64},
+            400,
+            "priority",
+        ),
         ("POST", "/v1/chat/completions", {**CHAT, "logit_bias": {"a": 1}}, 400, "logit_bias"),
         ("POST", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
         ("POST", "/v1/chat/completions", {**CHAT, "stop": [""]}, 400, "stop"),

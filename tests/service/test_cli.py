@@ -9,12 +9,18 @@ from tests.engine.tiny_models import make_tiny_model
 
 
 @pytest.mark.parametrize("command", ["serve", "worker", "generate"])
-def test_quantization_and_kv_cache_dtype_reach_the_engine(command):
+def test_engine_options_reach_the_engine(command):
     argv = [command, "--quantization", "int8", "--kv-cache-dtype", "fp8", "--dtype", "float32"]
+    argv += ["--scheduling-policy", "priority"]
     if command == "generate":
         argv.append("hello")
     kwargs = _engine_kwargs(build_parser().parse_args(argv))
-    assert kwargs == {"quantization": "int8", "kv_cache_dtype": "fp8", "dtype": "float32"}
+    assert kwargs == {
+        "quantization": "int8",
+        "kv_cache_dtype": "fp8",
+        "dtype": "float32",
+        "scheduling_policy": "priority",
+    }
 
 
 def test_generate_with_int8_and_a_refused_option(tmp_path, capsys):
@@ -24,3 +30,5 @@ def test_generate_with_int8_and_a_refused_option(tmp_path, capsys):
     assert capsys.readouterr().out.strip()
     with pytest.raises(ValueError, match="quantization must be None or one of"):
         main([*base, "--quantization", "int4", "Hello"])
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        main([*base, "--scheduling-policy", "lifo", "Hello"])

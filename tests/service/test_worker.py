@@ -366,6 +366,23 @@ async def test_bad_entries_are_dead_lettered_and_the_worker_keeps_serving(engine
     assert await num_pending(redis) == 0
 
 
+async def test_priority_reaches_the_engine_which_refuses_it_under_fcfs(engine, redis, redis_url):
+    """This engine schedules fcfs: priority 0 is served, another is the request's error (the
+    engine's refusal, as vLLM's), dead-lettered as other requests the engine refuses."""
+    params = dict(max_tokens=2, **GREEDY)
+    await submit(redis, GenerateRequest("zero", prompt=PROMPT, sampling=params, priority=0))
+    await submit(redis, GenerateRequest("urgent", prompt=PROMPT, sampling=params, priority=-1))
+    async with serving(engine, redis_url):
+        zero = await read_chunks(redis, "zero")
+        (urgent,) = await read_chunks(redis, "urgent")
+    assert zero[-1].usage["completion_tokens"] == 2
+    assert urgent.finish_reason == "error"
+    assert urgent.error == (
+        "got priority -1 but priority scheduling is not enabled (scheduling_policy='priority')"
+    )
+    assert await num_pending(redis) == 0
+
+
 async def test_engine_fault_and_running_deadline_fail_only_their_requests(
     engine, redis, redis_url, monkeypatch
 ):

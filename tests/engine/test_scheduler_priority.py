@@ -1,0 +1,157 @@
+"""The "priority" scheduling policy on a fake KV config: admission by (priority, arrival),
+first come first served among equals, preemption of the lowest priority then the latest."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.config import EngineConfig
+from engine.request import RequestStatus
+from tests.engine.test_scheduler import (
+    make_request,
+    make_scheduler,
+    preempted,
+    run_to_completion,
+    step,
+)
+
+
+def admission_order(sched) -> list[str]:
+    """Run to the end, returning the request ids in the order they were first scheduled."""
+    order = []
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        order += [r.req_id for r in out.scheduled_new_reqs]
+    run_to_completion(sched)  # and the pool is whole again
+    return order
+
+
+def test_the_lowest_priority_value_is_admitted_first():
+    sched = make_scheduler(max_num_seqs=1, policy="priority")
+    for req_id, priority in [("p2", 2), ("p0", 0), ("p1", 1), ("n1", -1)]:
+        sched.add_request(make_request(req_id, 5, priority=priority))
+    assert admission_order(sched) == ["n1", "p0", "p1", "p2"]
+
+
+def test_equal_priorities_are_served_first_come_first_served():
+    sched = make_scheduler(max_num_seqs=1, policy="priority")
+    sched.add_request(make_request("a", 5, priority=1))
+    sched.add_request(make_request("b", 5, priority=1))
+    out, _ = step(sched)
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["a"]
+    # Later arrivals of the same priority queue behind the earlier ones, a higher one ahead.
+    sched.add_request(make_request("c", 5, priority=1))
+    sched.add_request(make_request("urgent", 5, priority=0))
+    assert [r.request_id for r in sched.waiting] == ["urgent", "b", "c"]
+    assert admission_order(sched) == ["urgent", "b", "c"]
+
+
+def test_fcfs_ignores_priority_values():
+    sched = make_scheduler(max_num_seqs=1)
+    for req_id, priority in [("p2", 2), ("p0", 0), ("p1", 1)]:
+        sched.add_request(make_request(req_id, 5, priority=priority))
+    assert admission_order(sched) == ["p2", "p0", "p1"]
+
+
+def fill_the_pool(policy: str):
+    """Six blocks of 4 tokens, three requests of 7-token prompts (2 blocks each): r0
+    (priority 1) runs first, then r1 (priority 1) and r2 (priority 0) arrive and fill the
+    pool. At the next decode r0 needs a third block, so someone is preempted."""
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64, policy=policy)
+    sched.add_request(make_request("r0", 7, max_tokens=8, priority=1))
+    step(sched)
+    sched.add_request(make_request("r1", 7, max_tokens=8, base=70, priority=1))
+    sched.add_request(make_request("r2", 7, max_tokens=8, base=130, priority=0))
+    out, _ = step(sched)
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 0
+    return sched, [r.req_id for r in out.scheduled_new_reqs]
+
+
+def test_preemption_takes_the_lowest_priority_then_the_latest():
+    sched, admitted = fill_the_pool("priority")
+    assert admitted == ["r2", "r1"]
+    assert [r.request_id for r in sched.running] == ["r2", "r0", "r1"]
+    out, _ = step(sched)
+    # r0 and r1 share the lowest priority; r1 arrived later.
+    assert preempted(sched) == {"r1"} and set(out.num_scheduled_tokens) == {"r2", "r0"}
+    # It keeps its arrival: a later request of its priority waits behind it, a higher ahead.
+    sched.add_request(make_request("r3", 3, priority=1))
+    sched.add_request(make_request("r4", 3, priority=0))
+    assert [r.request_id for r in sched.waiting] == ["r4", "r1", "r3"]
+    run_to_completion(sched)
+
+
+def test_fcfs_preempts_the_last_admitted_as_before():
+    sched, admitted = fill_the_pool("fcfs")
+    assert admitted == ["r1", "r2"]
+    step(sched)
+    assert preempted(sched) == {"r2"}
+    run_to_completion(sched)
+
+
+def test_a_lone_lowest_priority_request_preempts_itself():
+    """Priority 1 alone among 0s: the one short of a block is the one to go."""
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64, policy="priority")
+    sched.add_request(make_request("low", 7, max_tokens=8, priority=1))
+    step(sched)
+    sched.add_request(make_request("a", 7, max_tokens=8, base=70))
+    sched.add_request(make_request("b", 7, max_tokens=8, base=130))
+    step(sched)
+    out, _ = step(sched)
+    assert preempted(sched) == {"low"} and set(out.num_scheduled_tokens) == {"a", "b"}
+    run_to_completion(sched)
+
+
+@pytest.mark.parametrize("policy", ["lifo", "FCFS", None])
+def test_an_unknown_policy_is_refused_naming_the_supported_ones(policy):
+    with pytest.raises(
+        ValueError, match=r"scheduling_policy must be one of \('fcfs', 'priority'\)"
+    ):
+        EngineConfig(scheduling_policy=policy)
+
+
+def is_sorted(requests) -> bool:
+    keys = [(r.priority, r.arrival_order) for r in requests]
+    return keys == sorted(keys)
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(-1, 2)),
+        st.tuples(st.just("abort"), st.integers(0, 30)),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=ops,
+    num_blocks=st.integers(12, 40),
+    budget=st.integers(1, 48),
+    max_num_seqs=st.integers(1, 6),
+)
+def test_random_operations_keep_both_queues_in_priority_order(
+    ops, num_blocks, budget, max_num_seqs
+):
+    """`step` checks the KV invariants; both queues stay sorted; every request ends."""
+    sched = make_scheduler(num_blocks, 4, budget, max_num_seqs, policy="priority")
+    added = []
+    for op in ops:
+        if op[0] == "add":
+            req = make_request(
+                f"r{len(added)}", op[1], op[2], base=10 + 100 * op[3], priority=op[3]
+            )
+            sched.add_request(req)
+            added.append(req.request_id)
+        elif op[0] == "abort" and added:
+            aborted = added[op[1] % len(added)]
+            sched.finish_requests([aborted], RequestStatus.FINISHED_ABORTED)
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                step(sched)
+                assert is_sorted(sched.running) and is_sorted(sched.waiting)
+    run_to_completion(sched)
