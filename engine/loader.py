@@ -7,6 +7,7 @@ A `.gguf` file is dequantized once and cached as an fp32 safetensors folder unde
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -108,18 +109,30 @@ def _default_gguf() -> Path:
 
 
 def _convert_gguf(gguf_path: Path) -> Path:
-    """Dequantize `gguf_path` to an fp32 safetensors folder once; later calls hit the cache."""
+    """Dequantize `gguf_path` to an fp32 safetensors folder once; later calls hit the cache.
+
+    One process converts while the others wait on a lock file beside the cache and then find
+    it: on a fresh volume, the compose stack's API and two workers had each converted the same
+    file at once (47 s each on 2 cores, most of their 78-134 s to healthy)."""
     cache_root = envs.KVRAIL_CACHE_DIR / "gguf"
     target = cache_root / _sha256(gguf_path)
     if (target / "config.json").is_file():
         return target
+    cache_root.mkdir(parents=True, exist_ok=True)
+    with (cache_root / f"{target.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (target / "config.json").is_file():
+            _convert_gguf_into(gguf_path, target)
+    return target
+
+
+def _convert_gguf_into(gguf_path: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
-    cache_root.mkdir(parents=True, exist_ok=True)
     # Written beside the target and renamed into place: a crash leaves a stray temp dir,
     # never a half-written cache that a later run would trust.
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_root))
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     tmp_dir.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(
@@ -131,18 +144,11 @@ def _convert_gguf(gguf_path: Path) -> Path:
         hf_model.save_pretrained(tmp_dir)
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         tokenizer.save_pretrained(tmp_dir)
-        try:
-            tmp_dir.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-            # Another process finished the same conversion first; its copy is as good.
-            shutil.rmtree(tmp_dir)
+        tmp_dir.rename(target)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     logger.info("converted %s to %s in %.1f s", gguf_path.name, target, time.perf_counter() - start)
-    return target
 
 
 def _sha256(path: Path) -> str:

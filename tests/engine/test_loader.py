@@ -70,7 +70,33 @@ def test_failed_conversion_leaves_no_cache(tmp_path, monkeypatch):
     bogus.write_bytes(b"GGUF not really")
     with pytest.raises(Exception):  # noqa: B017 - whatever the GGUF reader raises
         resolve_model(bogus)
-    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+    assert [p.suffix for p in (tmp_path / "cache" / "gguf").iterdir()] == [".lock"]
+
+
+def test_a_conversion_waits_for_one_in_progress_and_takes_its_result(tmp_path, monkeypatch):
+    """Processes sharing a cache convert a GGUF once: a second one waits on the lock, then
+    finds the first one's folder (here the GGUF is not one: converting it would raise)."""
+    import fcntl
+    import threading
+
+    from engine.loader import _convert_gguf, _sha256
+
+    monkeypatch.setenv("KVRAIL_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF not really")
+    target = tmp_path / "cache" / "gguf" / _sha256(gguf)
+    target.parent.mkdir(parents=True)
+    result = []
+    with (target.parent / f"{target.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first process, converting
+        waiter = threading.Thread(target=lambda: result.append(_convert_gguf(gguf)))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not result  # waiting on the lock
+        target.mkdir()
+        (target / "config.json").write_text("{}")  # the first one's conversion lands
+    waiter.join(10)
+    assert result == [target]
 
 
 def test_bad_model_paths_raise_value_error(tmp_path):
