@@ -255,16 +255,24 @@ ops = st.lists(
     max_num_seqs=st.integers(1, 6),
     prefix_caching=st.booleans(),
     threshold=st.integers(0, 10),
+    policy=st.sampled_from(["fcfs", "priority"]),
 )
 def test_random_operations_keep_invariants(
-    ops, num_blocks, budget, max_num_seqs, prefix_caching, threshold
+    ops, num_blocks, budget, max_num_seqs, prefix_caching, threshold, policy
 ):
-    sched = make_scheduler(num_blocks, 4, budget, max_num_seqs, prefix_caching, threshold)
+    """`step` checks the KV invariants; under priority both queues stay in (priority,
+    arrival) order; every request ends."""
+    sched = make_scheduler(
+        num_blocks, 4, budget, max_num_seqs, prefix_caching, threshold, policy=policy
+    )
     added = []
     for op in ops:
         if op[0] == "add":
             # Few distinct bases so prompts share prefixes and hit the cache.
-            req = make_request(f"r{len(added)}", op[1], op[2], base=10 + 100 * op[3])
+            priority = op[3] - 1 if policy == "priority" else 0
+            req = make_request(
+                f"r{len(added)}", op[1], op[2], base=10 + 100 * op[3], priority=priority
+            )
             sched.add_request(req)
             added.append(req.request_id)
         elif op[0] == "abort" and added:
@@ -272,4 +280,8 @@ def test_random_operations_keep_invariants(
         elif op[0] == "step":
             for _ in range(op[1]):
                 step(sched)
+                if policy == "priority":
+                    for queue in (sched.running, sched.waiting):
+                        keys = [(r.priority, r.arrival_order) for r in queue]
+                        assert keys == sorted(keys)
     run_to_completion(sched)

@@ -4,11 +4,8 @@ first come first served among equals, preemption of the lowest priority then the
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from engine.config import EngineConfig
-from engine.request import RequestStatus
 from tests.engine.test_scheduler import (
     make_request,
     make_scheduler,
@@ -110,48 +107,3 @@ def test_an_unknown_policy_is_refused_naming_the_supported_ones(policy):
         ValueError, match=r"scheduling_policy must be one of \('fcfs', 'priority'\)"
     ):
         EngineConfig(scheduling_policy=policy)
-
-
-def is_sorted(requests) -> bool:
-    keys = [(r.priority, r.arrival_order) for r in requests]
-    return keys == sorted(keys)
-
-
-ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(-1, 2)),
-        st.tuples(st.just("abort"), st.integers(0, 30)),
-        st.tuples(st.just("step"), st.integers(1, 4)),
-    ),
-    max_size=60,
-)
-
-
-@settings(max_examples=150, deadline=None)
-@given(
-    ops=ops,
-    num_blocks=st.integers(12, 40),
-    budget=st.integers(1, 48),
-    max_num_seqs=st.integers(1, 6),
-)
-def test_random_operations_keep_both_queues_in_priority_order(
-    ops, num_blocks, budget, max_num_seqs
-):
-    """`step` checks the KV invariants; both queues stay sorted; every request ends."""
-    sched = make_scheduler(num_blocks, 4, budget, max_num_seqs, policy="priority")
-    added = []
-    for op in ops:
-        if op[0] == "add":
-            req = make_request(
-                f"r{len(added)}", op[1], op[2], base=10 + 100 * op[3], priority=op[3]
-            )
-            sched.add_request(req)
-            added.append(req.request_id)
-        elif op[0] == "abort" and added:
-            aborted = added[op[1] % len(added)]
-            sched.finish_requests([aborted], RequestStatus.FINISHED_ABORTED)
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                step(sched)
-                assert is_sorted(sched.running) and is_sorted(sched.waiting)
-    run_to_completion(sched)
