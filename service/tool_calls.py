@@ -5,10 +5,12 @@
   (`tool_constraint`), so their calls are always valid: a named call's whole text is its
   arguments; `required` writes vLLM's form, a JSON array of `{"name", "parameters"}` (one item
   at most when `parallel_tool_calls` is false), each call sent once its object is complete.
-- `auto` lets the model choose, and its calls are read in Hermes' convention,
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, which the tool-trained chat
-  models of the Llama and Qwen families write and `engine.apply_chat_template` teaches the
-  others. A block whose JSON is not a call stays text.
+- `auto` lets the model choose, and reads its calls in either of two conventions: Hermes',
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` anywhere in the text (Qwen 2.5
+  and Hermes write it, and `engine.apply_chat_template` teaches it to templates without
+  tools), and Llama 3.1's, an answer that is nothing but `{"name": ..., "parameters": {...}}`
+  objects (";"-separated for several). A block or an answer whose JSON is not a call stays
+  text. An answer that begins with `{` is held until it ends, to know which it is.
 
 One parser, `ToolCallParser`, makes both kinds of answer: a stream sends what it returns for
 each chunk's text as deltas, and a whole answer is what it returned over all the text, so the
@@ -131,6 +133,7 @@ class ToolCallParser:
     _in_call: bool = False  # auto: after a `<tool_call>` whose end has not come
     _space: str = ""  # auto: trailing whitespace of the content, not sent yet
     _pos: int = 0  # required: where the array's next call begins in the text
+    _lead: str | None = None  # auto: "json" (an answer that begins with "{"), "text", or unknown
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         """The content and the call deltas this much more text makes."""
@@ -184,6 +187,19 @@ class ToolCallParser:
         return "", deltas
 
     def _auto(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        if self._lead is None:
+            stripped = self._buffer.lstrip()
+            if not stripped and not final:
+                return "", []
+            self._lead = "json" if stripped.startswith("{") else "text"
+        if self._lead == "json":
+            if not final:
+                return "", []
+            self._lead = "text"  # read as text unless it is calls
+            calls = _json_calls(self._buffer)
+            if calls is not None:
+                self._buffer = ""
+                return "", [self._new_call(name, arguments) for name, arguments in calls]
         content, deltas = "", []
         while True:
             if not self._in_call:
@@ -233,6 +249,27 @@ def _hermes_call(block: str) -> tuple[str, str] | None:
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
     return call["name"], arguments if isinstance(arguments, str) else _dumps(arguments)
+
+
+def _json_calls(text: str) -> list[tuple[str, str]] | None:
+    """(name, JSON arguments) of each call of an answer in Llama 3.1's convention (only
+    `{"name", "parameters"}` objects, ";" or whitespace between them), or None when it is not."""
+    calls, pos = [], 0
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n;":
+            pos += 1
+        if pos == len(text):
+            return calls or None
+        try:
+            item, pos = _DECODER.raw_decode(text, pos)
+        except ValueError:
+            return None
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            return None
+        arguments = item.get("parameters", item.get("arguments"))
+        if not isinstance(arguments, dict):
+            return None
+        calls.append((item["name"], _dumps(arguments)))
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -401,6 +401,13 @@ def test_hermes_calls_are_read_and_the_text_around_them_is_content():
         ("a < b <tool", "a < b <tool"),  # a marker that never came
     ]:
         assert whole_answer(ToolCallParser(ToolChoice("auto"), "r", 0), text) == (content, [])
+    # Llama 3.1's convention: an answer that is only `{"name", "parameters"}` objects.
+    llama = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}; '
+    llama += '{"name": "set_alarm", "parameters": {"hour": 6, "days": ["tue"]}}'
+    content, calls = whole_answer(ToolCallParser(ToolChoice("auto"), "r", 0), "\n" + llama)
+    assert content is None and [c.name for c in calls] == ["get_weather", "set_alarm"]
+    for text in ('{"name": "Oslo", "population": 709000}', '{"name": "f", "parameters": {}} ok'):
+        assert whole_answer(ToolCallParser(ToolChoice("auto"), "r", 0), text) == (text, [])
     # A call left open at the end (EOS before </tool_call>) is still a call.
     _, (call,) = whole_answer(
         ToolCallParser(ToolChoice("auto"), "r", 0), '<tool_call>{"name": "f"}'
@@ -413,7 +420,14 @@ def test_hermes_calls_are_read_and_the_text_around_them_is_content():
 def test_a_stream_cut_anywhere_says_what_the_whole_answer_says(data):
     text = data.draw(
         st.sampled_from(
-            [HERMES, "plain text, no calls.  ", HERMES + "Done. ", "<tool_call>{bad}</tool_call> x"]
+            [
+                HERMES,
+                "plain text, no calls.  ",
+                HERMES + "Done. ",
+                "<tool_call>{bad}</tool_call> x",
+                ' {"name": "f", "parameters": {"x": [1, 2]}};{"name": "g", "arguments": {}}',
+                '{"name": "Oslo", "population": 709000} ',
+            ]
         )
     )
     cuts = sorted(data.draw(st.sets(st.integers(1, len(text) - 1), max_size=12)))
