@@ -67,7 +67,7 @@ def apply_chat_template(
         raise ValueError("this model has no chat template")
     if "tools" in _read_variables(tokenizer.get_chat_template()):
         template_kwargs["tools"] = tools
-    else:
+    elif tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         messages = hermes_messages(messages, tools)
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs

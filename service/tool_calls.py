@@ -242,13 +242,9 @@ class ToolCallParser:
 def _hermes_call(block: str) -> tuple[str, str] | None:
     """(name, JSON arguments) of a `<tool_call>` block, or None when it is not one."""
     try:
-        call = json.loads(block)
+        return _call_of(json.loads(block), needs_arguments=False)
     except ValueError:
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
-    arguments = call.get("arguments", call.get("parameters", {}))
-    return call["name"], arguments if isinstance(arguments, str) else _dumps(arguments)
 
 
 def _json_calls(text: str) -> list[tuple[str, str]] | None:
@@ -264,12 +260,23 @@ def _json_calls(text: str) -> list[tuple[str, str]] | None:
             item, pos = _DECODER.raw_decode(text, pos)
         except ValueError:
             return None
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        call = _call_of(item, needs_arguments=True)
+        if call is None:
             return None
-        arguments = item.get("parameters", item.get("arguments"))
-        if not isinstance(arguments, dict):
-            return None
-        calls.append((item["name"], _dumps(arguments)))
+        calls.append(call)
+
+
+def _call_of(item: Any, needs_arguments: bool) -> tuple[str, str] | None:
+    """(name, JSON arguments) of a decoded call object (`arguments` or `parameters`; JSON
+    text or an object), or None when it is not one."""
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return None
+    arguments = item.get("arguments", item.get("parameters"))
+    if arguments is None and not needs_arguments:
+        arguments = {}
+    if isinstance(arguments, str) and not needs_arguments:
+        return item["name"], arguments
+    return (item["name"], _dumps(arguments)) if isinstance(arguments, dict) else None
 
 
 def _partial_suffix(text: str, marker: str) -> int:
