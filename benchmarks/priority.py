@@ -9,10 +9,11 @@ In-process, as `benchmarks.sweep`: an offline `LLMEngine` driven by `add_request
 - fcfs: the same on an engine with the default policy, everything at priority 0: what the
   stream would wait without priorities.
 
-Target (issue 15): the stream's TTFT p99 under the overload within 2x its idle TTFT p99. Under
-vLLM v1's policy a high-priority request jumps the waiting queue but does not preempt a
-running request for a seat: it takes the next seat that frees, so its wait grows with the
-time between two completions of the backlog. Every low-priority request still finishes.
+Target (issue 15): the stream's TTFT p99 under the overload within 2x its idle TTFT p99. A
+high-priority request jumps the waiting queue and, finding every seat taken, preempts the
+lowest-priority running request for one (vLLM v0's rule: under v1's, taking the next seat
+that frees, its wait grew with the time between two completions of the backlog, 7.7x idle).
+Every low-priority request still finishes; the table counts the preemptions.
 
     python -m benchmarks.priority
 """
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{result['high_completed']}/{len(high)}",
                 fmt(low_ttft.get("median_ms")),
                 f"{result['low_completed']}/{len(low)}" if "low_completed" in result else "-",
+                fmt(result.get("preemptions")),
                 fmt(result["duration_s"], 2),
             ]
         )
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         "high done",
         "low TTFT p50 ms",
         "low done",
+        "preemptions",
         "duration s",
     ]
     markdown = "\n".join(

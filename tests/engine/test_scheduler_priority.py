@@ -1,5 +1,6 @@
 """The "priority" scheduling policy on a fake KV config: admission by (priority, arrival),
-first come first served among equals, preemption of the lowest priority then the latest."""
+first come first served among equals, preemption of the lowest priority then the latest
+(for KV room, and for a seat when a request outranks everyone holding one)."""
 
 from __future__ import annotations
 
@@ -98,6 +99,65 @@ def test_a_lone_lowest_priority_request_preempts_itself():
     step(sched)
     out, _ = step(sched)
     assert preempted(sched) == {"low"} and set(out.num_scheduled_tokens) == {"a", "b"}
+    run_to_completion(sched)
+
+
+def test_a_higher_priority_takes_the_seat_of_the_lowest_then_latest():
+    sched = make_scheduler(max_num_seqs=3, budget=64, policy="priority")
+    for req_id, priority in [("low-a", 2), ("low-b", 2), ("mid", 1)]:
+        sched.add_request(make_request(req_id, 5, max_tokens=6, priority=priority))
+    step(sched)
+    sched.add_request(make_request("urgent", 5, max_tokens=2, base=70, priority=0))
+    out, _ = step(sched)
+    # low-a and low-b share the lowest priority; low-b arrived later. It gave its seat and
+    # its blocks: nothing of it is scheduled in the step that admits the urgent one.
+    assert preempted(sched) == {"low-b"}
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["urgent"]
+    assert set(out.num_scheduled_tokens) == {"urgent", "mid", "low-a"}
+    assert sched.kv_cache_manager.get_block_ids("low-b") == []
+    # Once the urgent one is done, low-b takes its seat back and finishes.
+    finished = set()
+    while sched.has_unfinished_requests():
+        _, outputs = step(sched)
+        finished |= {o.request_id for o in outputs if o.finish_reason is not None}
+    assert finished == {"urgent", "mid", "low-a", "low-b"}
+    run_to_completion(sched)
+
+
+@pytest.mark.parametrize("newcomer_priority", [1, 2])
+def test_equal_or_lower_priorities_wait_for_a_seat(newcomer_priority):
+    sched = make_scheduler(max_num_seqs=2, budget=64, policy="priority")
+    for req_id in ("a", "b"):
+        sched.add_request(make_request(req_id, 5, max_tokens=6, priority=1))
+    step(sched)
+    sched.add_request(make_request("c", 5, base=70, priority=newcomer_priority))
+    out, _ = step(sched)
+    assert preempted(sched) == set() and set(out.num_scheduled_tokens) == {"a", "b"}
+    assert [r.request_id for r in sched.waiting] == ["c"]
+    run_to_completion(sched)
+
+
+def test_each_outranking_arrival_takes_one_seat():
+    """Three urgent arrivals, one free seat: two of the three low ones go, the latest first."""
+    sched = make_scheduler(max_num_seqs=4, budget=64, policy="priority")
+    for i in range(3):
+        sched.add_request(make_request(f"low-{i}", 5, max_tokens=8, base=10 + i, priority=1))
+    step(sched)
+    for i in range(3):
+        sched.add_request(make_request(f"urgent-{i}", 5, max_tokens=2, base=70 + i, priority=0))
+    out, _ = step(sched)
+    assert preempted(sched) == {"low-1", "low-2"}
+    assert {r.req_id for r in out.scheduled_new_reqs} == {"urgent-0", "urgent-1", "urgent-2"}
+    run_to_completion(sched)
+
+
+def test_fcfs_never_preempts_for_a_seat():
+    sched = make_scheduler(max_num_seqs=1, budget=64)
+    sched.add_request(make_request("a", 5, max_tokens=6, priority=5))
+    step(sched)
+    sched.add_request(make_request("b", 5, base=70, priority=-5))
+    out, _ = step(sched)
+    assert preempted(sched) == set() and set(out.num_scheduled_tokens) == {"a"}
     run_to_completion(sched)
 
 
