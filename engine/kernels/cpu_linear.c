@@ -31,13 +31,20 @@
  * (what gcc vectorizes for the machine), so every machine computes the same results.
  */
 #include <math.h>
+#include <stdlib.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#if defined(__AMX_TILE__) && (defined(__AMX_INT8__) || defined(__AMX_BF16__))
 #include <sys/syscall.h>
 #include <unistd.h>
+#define KVRAIL_AMX_TILES 1
+#endif
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define KVRAIL_AMX 1
+#endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define KVRAIL_AMX_BF16 1
 #endif
 
 #include "cpu_common.h"
@@ -303,11 +310,7 @@ static void w8a8_dispatch(const uint8_t *xq, int64_t stride_xq, const int8_t *w,
     }
 }
 
-#ifdef KVRAIL_AMX
-#define AMX_TILE_ROWS 16 /* tokens per A tile */
-#define AMX_ROWS 32      /* rows per AMX block: two A tiles; a last block may hold one */
-#define AMX_K 64    /* k per tile step: one 64-byte tile row */
-
+#ifdef KVRAIL_AMX_TILES
 /* Linux grants a process the AMX tile state only on request; without it (an older kernel, a
  * hypervisor that hides the state) the first tile instruction raises SIGILL. */
 static int amx_usable(void) {
@@ -323,6 +326,12 @@ struct amx_tile_config {
     uint16_t colsb[16]; /* bytes per row of each tile */
     uint8_t rows[16];
 };
+#endif
+
+#ifdef KVRAIL_AMX
+#define AMX_TILE_ROWS 16 /* tokens per A tile */
+#define AMX_ROWS 32      /* rows per AMX block: two A tiles; a last block may hold one */
+#define AMX_K 64    /* k per tile step: one 64-byte tile row */
 
 /* Tiles 0-3: sums for (row half, panel); 4-5: A of each row half; 6-7: B of each panel.
  * Every tile is 16 rows of 64 bytes. */
@@ -604,12 +613,128 @@ struct kvrail_float_linear_args {
     int64_t out_features, stride_out;
 };
 
-/* out = x w^T (+ bias) for small M; every thread takes a range of 4-column tiles. */
+#ifdef KVRAIL_AMX_BF16
+/* bf16 with AMX-BF16, for 2..16 tokens: W is the A operand as it lies (a tile is 16 weight
+ * rows x 32 k, rows K apart), x the B operand (32 k x M tokens, pairs of k per 32-bit lane,
+ * packed per thread, a few KiB), so one tdpbf16ps adds 16 x M x 32 products and the sums are
+ * 16 outputs x M tokens. Each pass holds 4 such sums (64 output columns, or 2 x 16 gate and
+ * their up columns) over one B tile; the weights stream once per call, the next pass's rows
+ * prefetched. The vector kernel above does one vdpbf16ps per token and 32 weights, so its
+ * time grows with M. On 2 vCPUs of an AMX Xeon, SmolLM2-135M's linears
+ * (`benchmarks.linear_kernels`, two runs each, a shared and noisy machine), time against
+ * M = 1 in the same run, vector kernel -> tiles: M = 3 1.54 / 1.33 -> 0.85 / 1.21, M = 4
+ * 1.79 / 1.53 -> 0.96 / 1.16, M = 8 3.0 / 2.7 -> 1.46 / 1.05, M = 16 5.9 / 5.1 -> 1.9 / 1.7;
+ * M = 2 about even (1.24 / 1.27 -> 1.35 / 1.12). */
+#define AMX_BF16_K 32     /* k per tile step: 32 bf16, one 64-byte tile row */
+#define AMX_BF16_MAX_M 16 /* tokens: the columns of one sum tile */
+
+/* Tiles 0-3: sums (16 weight rows x M tokens, fp32); 4, 5, 7: weight rows (16 x 32 bf16); 6:
+ * x (16 pairs of k x M tokens). */
+static void amx_bf16_load_config(int M) {
+    struct amx_tile_config config = {.palette_id = 1};
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = 16;
+        config.colsb[t] = t < 4 || t == 6 ? 4 * M : 64;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* sums[j][r][m] (row stride 16 floats) = x[m] . w_rows[j][r] for j < nb (1..4) 16-row blocks
+ * whose first rows are w_rows[j]; the blocks `ahead` rows further are prefetched. */
+static void amx_bf16_pass(const uint32_t *xp, int M, const uint16_t *const *w_rows, int nb,
+                          int64_t K, int64_t ahead, float *sums) {
+    const int64_t stride_w = K * (int64_t)sizeof(uint16_t);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += AMX_BF16_K) {
+        _tile_loadd(6, xp + k / 2 * M, 4 * M);
+        for (int j = 0; j < nb; j++)
+            for (int r = 0; r < 16; r++)
+                _mm_prefetch((const char *)(w_rows[j] + (ahead + r) * K + k), _MM_HINT_T0);
+        _tile_loadd(4, w_rows[0] + k, stride_w);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nb > 1) {
+            _tile_loadd(5, w_rows[1] + k, stride_w);
+            _tile_dpbf16ps(1, 5, 6);
+        }
+        if (nb > 2) {
+            _tile_loadd(7, w_rows[2] + k, stride_w);
+            _tile_dpbf16ps(2, 7, 6);
+        }
+        if (nb > 3) {
+            _tile_loadd(4, w_rows[3] + k, stride_w);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+    }
+    _tile_stored(0, sums, 64);
+    if (nb > 1) _tile_stored(1, sums + 256, 64);
+    if (nb > 2) _tile_stored(2, sums + 512, 64);
+    if (nb > 3) _tile_stored(3, sums + 768, 64);
+}
+
+/* Output columns [begin, end) (multiples of 16) of kvrail_linear_float on the tile unit. */
+static void float_linear_amx_bf16(const struct kvrail_float_linear_args *a, int64_t begin,
+                                  int64_t end) {
+    const int64_t K = a->in_features, N = a->out_features;
+    const int M = (int)a->num_tokens;
+    const uint16_t *x = a->x, *w = a->w;
+    /* xp[k / 2][m]: the pair (x[m][k], x[m][k + 1]), as the B tile reads it */
+    uint32_t *xp = aligned_alloc(64, sizeof(uint32_t) * (size_t)(K / 2 * M));
+    for (int64_t k2 = 0; k2 < K / 2; k2++)
+        for (int m = 0; m < M; m++) memcpy(xp + k2 * M + m, x + m * a->stride_x + 2 * k2, 4);
+    amx_bf16_load_config(M);
+    const int64_t step = a->silu_mul ? 32 : 64; /* output columns per pass */
+    float sums[4 * 16 * 16] __attribute__((aligned(64)));
+    for (int64_t n0 = begin; n0 < end; n0 += step) {
+        const int width = end - n0 < step ? (int)(end - n0) : (int)step; /* a multiple of 16 */
+        const uint16_t *w_rows[4];
+        int nb = width / 16;
+        for (int j = 0; j < nb; j++) w_rows[j] = w + (n0 + 16 * j) * K;
+        if (a->silu_mul) { /* blocks nb.. are the up rows of blocks 0.. */
+            for (int j = 0; j < nb; j++) w_rows[nb + j] = w + (N + n0 + 16 * j) * K;
+            nb *= 2;
+        }
+        amx_bf16_pass(xp, M, w_rows, nb, K, step, sums);
+        for (int c = 0; c < width; c++) {
+            const float *col = sums + (c / 16) * 256 + (c % 16) * 16;
+            const float *up = col + width / 16 * 256;
+            const int64_t n = n0 + c;
+            for (int m = 0; m < M; m++) {
+                float y = col[m];
+                if (a->silu_mul) {
+                    float u = up[m];
+                    if (a->bias) y += a->bias[n], u += a->bias[N + n];
+                    y = silu(y) * u;
+                } else if (a->bias) {
+                    y += a->bias[n];
+                }
+                store_float(a->out, KVRAIL_BF16, m * a->stride_out + n, y);
+            }
+        }
+    }
+    _tile_release();
+    free(xp);
+}
+#endif
+
+/* out = x w^T (+ bias) for small M; every thread takes a range of 4-column tiles (of 16 on
+ * the tile unit). */
 void kvrail_linear_float(const struct kvrail_float_linear_args *a, int tid, int num_threads) {
     const int64_t K = a->in_features, N = a->out_features, M = a->num_tokens;
     const int64_t esize = dtype_size(a->dtype);
     int64_t begin, end;
-    thread_range(N, DOT_TILE, tid, num_threads, &begin, &end);
+#ifdef KVRAIL_AMX_BF16
+    if (a->dtype == KVRAIL_BF16 && M >= 2 && M <= AMX_BF16_MAX_M && K % AMX_BF16_K == 0
+        && amx_usable()) {
+        thread_range(N, 16, tid, num_threads, &begin, &end);
+        const int64_t tiled_end = begin + (end - begin) / 16 * 16;
+        float_linear_amx_bf16(a, begin, tiled_end);
+        begin = tiled_end; /* a last range of N % 16 columns takes the vector path */
+    } else
+#endif
+        thread_range(N, DOT_TILE, tid, num_threads, &begin, &end);
     /* Rows in tiles as even as the row limit allows: a 1-row remainder tile has too few
      * accumulators to hide the FMA latency. fp32 on a 2-vCPU AVX2 EPYC, the 121 linears of a
      * SmolLM2 pass (`python -m benchmarks.linear_kernels`,
