@@ -4,6 +4,12 @@ The public API matches vLLM's, so code can switch between the two:
     from engine import LLM, SamplingParams
 """
 
+from engine.beam_search import (
+    MAX_BEAM_WIDTH,
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+)
 from engine.chat_template import apply_chat_template, chat_template_variables
 from engine.config import EngineConfig
 from engine.detokenizer import TokenBytes
@@ -28,11 +34,15 @@ from engine.structured_outputs import StructuredOutputsParams
 __all__ = [
     "LLM",
     "MAX_ABS_LOGIT_BIAS",
+    "MAX_BEAM_WIDTH",
     "MAX_LOGIT_BIAS",
     "MAX_LOGPROBS",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_LEN",
     "STRUCTURED_OUTPUT_KINDS",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineConfig",
     "EngineStats",

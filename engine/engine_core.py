@@ -94,6 +94,15 @@ class EngineCore:
                 self.abort_requests([request.request_id])
                 raise
 
+    def fork_request(self, parent_id: str, child: Request) -> None:
+        """Queue `child`, sharing the KV blocks of the finished `parent_id` (beam search:
+        `Scheduler.fork_request`)."""
+        self.scheduler.fork_request(parent_id, child)
+
+    def release_blocks(self, request_ids: list[str]) -> None:
+        """Free the blocks finished requests kept for their forks (`Request.keep_blocks`)."""
+        self.scheduler.release_blocks(request_ids)
+
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Finish live requests as aborted; their blocks are free on return."""
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -5,6 +5,11 @@ logical block i (tokens [i*bs, (i+1)*bs)) to a physical block, allocated on dema
 each request's last block has unused slots. Full blocks are content-addressed by a chained
 hash (parent hash + the block's token ids) so requests sharing a prefix share blocks; a
 block nobody references stays cached in an LRU free queue until it is reused.
+
+A request forked from another (`fork`, beam search) shares its parent's blocks by reference:
+full blocks for good (they are never written again), the partly filled last block until one
+of its sharers writes into it. That writer gets a fresh block, and the pair (shared, fresh) in
+`blocks_to_copy`: the model runner copies the block's KV before the step's forward writes.
 """
 
 from __future__ import annotations
@@ -147,6 +152,9 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of the request already hashed
+        # (source, destination) block ids of the copies on write made since the scheduler
+        # last took them (`allocate_slots`)
+        self.blocks_to_copy: list[tuple[int, int]] = []
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -182,7 +190,9 @@ class KVCacheManager:
 
         `new_computed_blocks` are prefix-cache hits from `get_computed_blocks`, referenced here.
         Returns the newly allocated blocks, or None when the pool has no room: nothing changes
-        then, and the scheduler decides whom to preempt.
+        then, and the scheduler decides whom to preempt. A shared block the step would write
+        into is replaced by a copy in the request's table (not among the blocks returned:
+        only a fork, new to the model runner, shares one) and queued in `blocks_to_copy`.
         """
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed_tokens = (
@@ -192,15 +202,25 @@ class KVCacheManager:
             -(num_computed_tokens + num_new_tokens + num_lookahead_tokens) // self.block_size
         )
         num_new_blocks = max(0, num_required_blocks - len(req_blocks) - len(new_computed_blocks))
+        # The block the step writes first is still shared with a fork (`fork`): copy on write.
+        first = num_computed_tokens // self.block_size
+        copy_on_write = (
+            num_new_tokens > 0 and first < len(req_blocks) and (req_blocks[first].ref_cnt > 1)
+        )
         # Hits sitting in the free queue stop being free once referenced.
         num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_free_hits:
+        if num_new_blocks + copy_on_write > self.block_pool.get_num_free_blocks() - num_free_hits:
             return None
 
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)
             self.num_cached_blocks[request.request_id] = len(req_blocks)
+        if copy_on_write:
+            shared, (copy,) = req_blocks[first], self.block_pool.get_new_blocks(1)
+            self.block_pool.free_blocks([shared])
+            req_blocks[first] = copy
+            self.blocks_to_copy.append((shared.block_id, copy.block_id))
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
 
@@ -210,6 +230,22 @@ class KVCacheManager:
             num_known = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             self._cache_full_blocks(request, req_blocks, num_known // self.block_size)
         return new_blocks
+
+    def fork(self, parent: Request, child: Request) -> int:
+        """Give `child`, whose tokens begin with the parent's computed ones, the parent's
+        blocks over them: one more reference each, the full blocks with their hashes. The
+        partly filled last block stays shared until a sharer writes into it (copy on write,
+        `allocate_slots`). Returns the tokens the child has computed: the parent's."""
+        num_tokens = parent.num_computed_tokens
+        blocks = self.req_to_blocks.get(parent.request_id, [])[: -(-num_tokens // self.block_size)]
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+        num_full_blocks = num_tokens // self.block_size
+        child.block_hashes = parent.block_hashes[:num_full_blocks]
+        self.num_cached_blocks[child.request_id] = min(
+            self.num_cached_blocks.get(parent.request_id, 0), num_full_blocks
+        )
+        return num_tokens
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first so that its last blocks are evicted first."""

@@ -2,7 +2,8 @@
 
 `LLMEngine` tokenizes, fans a request with `n > 1` out into `n` child requests that share
 the prompt's KV blocks through the prefix cache, runs `EngineCore` steps, and turns token
-outputs into text with incremental detokenization and stop strings.
+outputs into text with incremental detokenization and stop strings. A request with
+`BeamSearchParams` is a beam search (`engine/beam_search.py`), answered once it ends.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from engine.beam_search import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchRequest,
+    BeamSearchSequence,
+)
 from engine.calibration import calibration_token_ids
 from engine.chat_template import apply_chat_template
 from engine.config import EngineConfig
@@ -87,7 +94,8 @@ class LLMEngine:
         token_strs = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
         self.max_prompt_chars = self.max_model_len * max(len(t) for t in token_strs if t)
         self.parents: dict[str, ParentState] = {}
-        self.child_to_parent: dict[str, str] = {}
+        self.beam_searches: dict[str, BeamSearchRequest] = {}
+        self.child_to_parent: dict[str, str] = {}  # engine request id -> request id
         logger.info("engine ready in %.1f s", time.perf_counter() - start)
 
     @classmethod
@@ -137,11 +145,13 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         resume: Sequence[Sequence[int] | None] | None = None,
         priority: int = 0,
     ) -> None:
         """Validate and queue a request; with `n > 1`, its children share the prompt's KV.
+        With `BeamSearchParams`, a beam search: its `beam_width` choices come in one final
+        output, best first.
 
         `priority` (vLLM's): with `scheduling_policy="priority"`, lower values run first and
         are preempted last, ties by arrival; under "fcfs" only 0 is taken, as in vLLM.
@@ -156,7 +166,7 @@ class LLMEngine:
         from the prefix cache), and travel with its first token: a resumed request computes
         them again only when choice 0 had emitted nothing, i.e. they were never delivered.
         """
-        if request_id in self.parents:
+        if request_id in self.parents or request_id in self.beam_searches:
             raise ValueError(f"request_id {request_id!r} is already running")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
@@ -166,6 +176,21 @@ class LLMEngine:
                 "(scheduling_policy='priority')"
             )
         prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
+        if isinstance(params, BeamSearchParams):
+            if resume is not None and any(emitted != [] for emitted in resume):
+                # Its choices are emitted only when it ends: nothing to resume from.
+                raise ValueError("resume: a beam search can only restart (nothing emitted)")
+            self.beam_searches[request_id] = BeamSearchRequest(
+                request_id,
+                prompt_text,
+                prompt_token_ids,
+                params,
+                self.engine_core,
+                self.child_to_parent,
+                self.tokenizer.eos_token_id,
+                priority,
+            )
+            return
         if resume is not None and len(resume) != params.n:
             raise ValueError(f"resume needs one entry per choice ({params.n})")
         if resume is not None:
@@ -226,6 +251,9 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
+            search = self.beam_searches.pop(request_id, None)
+            if search is not None:
+                search.abort()
             parent = self.parents.pop(request_id, None)
             if parent is None:
                 continue
@@ -235,13 +263,19 @@ class LLMEngine:
 
     def abort_all(self) -> list[str]:
         """Abort every unfinished request; returns their ids."""
-        request_ids = list(self.parents)
+        request_ids = [*self.parents, *self.beam_searches]
         self.abort_request(request_ids)
         return request_ids
 
     def get_unfinished_request(self, request_id: str) -> UnfinishedRequest | None:
         """The request's prompt length and its choices still generating; None once it has
         finished (its final `RequestOutput` was returned by `step`) or if it is unknown."""
+        search = self.beam_searches.get(request_id)
+        if search is not None:
+            num_beams = search.search.params.beam_width
+            return UnfinishedRequest(
+                request_id, len(search.prompt_token_ids), list(range(num_beams))
+            )
         parent = self.parents.get(request_id)
         if parent is None:
             return None
@@ -255,6 +289,7 @@ class LLMEngine:
         `error`, its other choices aborted; the rest of the batch goes on. An exception
         raised here is one the core could not undo.
         """
+        outputs: list[RequestOutput] = []
         deltas: dict[str, list[CompletionOutput]] = {}
         prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = {}
         stops: dict[str, str] = {}
@@ -266,6 +301,12 @@ class LLMEngine:
             if out.error is not None:
                 errors[parent_id] = out.error
                 continue
+            search = self.beam_searches.get(parent_id)
+            if search is not None:
+                if search.update(out):
+                    del self.beam_searches[parent_id]
+                    outputs.append(search.output(self.tokenizer))
+                continue
             parent = self.parents[parent_id]
             delta = self._process_output(parent, out, stops)
             deltas.setdefault(parent_id, []).append(delta)
@@ -275,9 +316,8 @@ class LLMEngine:
                 ]
         if stops:
             self.engine_core.finish_requests_by_stop_string(stops)
-        outputs = []
         for parent_id, error in errors.items():
-            parent = self.parents[parent_id]
+            parent = self.parents.get(parent_id) or self.beam_searches[parent_id]
             self.abort_request(parent_id)
             outputs.append(
                 RequestOutput(
@@ -356,10 +396,17 @@ class LLMEngine:
         return result
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.parents)
+        return bool(self.parents or self.beam_searches)
 
     def get_stats(self) -> EngineStats:
         return self.engine_core.get_stats()
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (text, token ids or a dict) or a list of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (prompts and all(isinstance(t, int) for t in prompts)):
+        return [prompts]
+    return list(prompts)
 
 
 def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
@@ -407,11 +454,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate completions for all prompts; returns them in the order given.
         `priority`: one per prompt (`LLMEngine.add_request`'s), None = all 0."""
-        if isinstance(prompts, (str, dict)) or (
-            prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -424,17 +467,56 @@ class LLM:
             priority = [0] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        return self._run_engine(self._add_requests(prompts, sampling_params, priority), use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: one `BeamSearchOutput` per prompt, in the order given,
+        with `params.beam_width` sequences best first (see `engine/beam_search.py`). As in
+        vLLM, a sequence's `tokens` and `text` include the prompt."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompts = _prompt_list(prompts)
+        request_ids = self._add_requests(prompts, [params] * len(prompts), [0] * len(prompts))
+        decode = self.llm_engine.tokenizer.decode
+        results = []
+        for output in self._run_engine(request_ids, use_tqdm):
+            sequences = []
+            for completion in output.outputs:
+                tokens = output.prompt_token_ids + completion.token_ids
+                sequences.append(
+                    BeamSearchSequence(
+                        tokens,
+                        completion.cumulative_logprob,
+                        decode(tokens),
+                        completion.finish_reason,
+                    )
+                )
+            results.append(BeamSearchOutput(sequences))
+        return results
+
+    def _add_requests(
+        self,
+        prompts: list[PromptType],
+        params: Sequence[SamplingParams | BeamSearchParams],
+        priority: Sequence[int],
+    ) -> list[str]:
+        """Add one request per prompt, or none: on an error, those added are aborted."""
         request_ids = []
         try:
-            for prompt, params, prio in zip(prompts, sampling_params, priority, strict=True):
+            for prompt, request_params, prio in zip(prompts, params, priority, strict=True):
                 request_id = str(self._next_request_id)
                 self._next_request_id += 1
-                self.llm_engine.add_request(request_id, prompt, params, priority=prio)
+                self.llm_engine.add_request(request_id, prompt, request_params, priority=prio)
                 request_ids.append(request_id)
         except Exception:
             self.llm_engine.abort_request(request_ids)
             raise
-        return self._run_engine(request_ids, use_tqdm)
+        return request_ids
 
     def chat(
         self,

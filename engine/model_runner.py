@@ -445,6 +445,22 @@ class ModelRunner:
             start = state.num_tokens
             self.token_ids_cpu[state.row, start : start + len(drafts)] = drafts
 
+    def _copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        """Copies on write (`KVCacheManager.allocate_slots`): each destination block gets its
+        source's K and V in every layer, the draft model's too, before the forward writes. The
+        caches are copied as bytes, one way for every dtype (fp8 scales are per layer)."""
+        if not blocks_to_copy:
+            return
+        src, dst = (
+            self._to_device(np.array(ids, dtype=np.int64))
+            for ids in zip(*blocks_to_copy, strict=True)
+        )
+        caches = list(self.kv_caches)
+        if isinstance(self.proposer, DraftModelProposer):
+            caches += self.proposer.kv_caches
+        for cache in (c.view(torch.uint8) for layer in caches for c in layer):
+            cache[dst] = cache[src]
+
     def _forget(self, req_ids: Iterable[str]) -> None:
         """Drop the runner's copy of these requests (those it holds) and free their rows."""
         for req_id in req_ids:
@@ -535,6 +551,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        self._copy_blocks(scheduler_output.blocks_to_copy)
         req_ids = list(scheduler_output.num_scheduled_tokens)
         if not req_ids:
             return ModelRunnerOutput([], [], [])

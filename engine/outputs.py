@@ -51,6 +51,9 @@ class SchedulerOutput:
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     # [rows, ceil(V / 32)] int32 on the CPU, bit t set = token t allowed; None: no such request
     grammar_bitmask: torch.Tensor | None = None
+    # (source, destination) block ids: copies on write of blocks shared with a fork, made
+    # before the step's forward (`KVCacheManager.allocate_slots`)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -286,6 +286,9 @@ class Request:
     (`LLMEngine.add_request(resume=...)`); a grammar's matcher accepts them first.
     `priority`: under the "priority" scheduling policy, lower values run first, ties by
     `arrival_order` (the scheduler numbers requests as they arrive).
+    `keep_blocks`: once finished (not aborted), the request keeps its KV blocks for the
+    requests forked from it (a beam search's next beams, `Scheduler.fork_request`) until
+    `Scheduler.release_blocks`.
     """
 
     def __init__(
@@ -296,9 +299,11 @@ class Request:
         eos_token_id: int | None,
         num_resumed_tokens: int = 0,
         priority: int = 0,
+        keep_blocks: bool = False,
     ) -> None:
         self.request_id = request_id
         self.priority = priority
+        self.keep_blocks = keep_blocks
         self.arrival_order = 0  # set by `Scheduler.add_request`
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

@@ -25,6 +25,14 @@ the lowest priority, then the latest. A waiting request that finds every seat ta
 requests it outranks preempts the lowest of them for its seat (vLLM v0's priority
 preemption; v1 makes it wait for the next seat to free). Equal priorities never preempt each
 other and are served first come, first served, so none of them starves.
+
+Beam search (`engine/beam_search.py`) forks requests: a finished request marked `keep_blocks`
+keeps its KV blocks (`held_requests`), and each request forked from it (`fork_request`)
+shares them by reference count and waits, holding them, as a new request until admitted;
+then `release_blocks` lets the parent's go. Blocks held so never stall the others: when the
+pool is short, the held requests' blocks are freed first (their forks recompute what they
+would have shared), and a waiting request that cannot get its slots while nothing runs makes
+the waiting forks give theirs up, as no running request would ever free any.
 """
 
 from __future__ import annotations
@@ -73,6 +81,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_arrivals = 0
         self.finished_req_ids: set[str] = set()  # since the last schedule()
+        # Finished requests keeping their blocks for forks (`Request.keep_blocks`)
+        self.held_requests: dict[str, Request] = {}
         self.num_structured_output_reqs = 0  # live requests with a grammar
         self.num_preemptions = 0
         k = scheduler_config.num_speculative_tokens
@@ -125,9 +135,7 @@ class Scheduler:
                 req_index += 1
                 continue
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, num_lookahead_tokens=self._lookahead(request)
-                )
+                new_blocks = self._allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
                 # The latest admitted (fcfs), the lowest priority then latest (priority): never
@@ -163,10 +171,12 @@ class Scheduler:
             num_new_tokens = self._clip(
                 request.num_tokens - request.num_computed_tokens - num_hit_tokens, token_budget
             )
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, computed_blocks, self._lookahead(request)
-            )
+            new_blocks = self._allocate_slots(request, num_new_tokens, computed_blocks)
             if new_blocks is None:
+                if not self.running:  # the forks waiting with blocks give them up (see above)
+                    for fork in self.waiting:
+                        self.kv_cache_manager.free(fork)
+                        fork.num_computed_tokens = 0
                 break
             request.num_computed_tokens += num_hit_tokens
             if request.num_cached_tokens < 0:
@@ -184,6 +194,8 @@ class Scheduler:
 
         output = self._make_output(num_scheduled_tokens, new_reqs, resumed_reqs, new_block_ids)
         output.scheduled_spec_decode_tokens = spec_tokens
+        kv = self.kv_cache_manager
+        output.blocks_to_copy, kv.blocks_to_copy = kv.blocks_to_copy, []
         # Counters advance now: the next schedule() sees this step's tokens as computed.
         for req_id, num_tokens in num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
@@ -208,6 +220,48 @@ class Scheduler:
             row += len(drafts) + 1
         if rows:
             output.grammar_bitmask = grammar_bitmask(rows)
+
+    def _allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks=()):
+        """`KVCacheManager.allocate_slots`; when the pool is short, the blocks held for forks
+        are freed first (`held_requests`: their forks will recompute instead)."""
+        args = (request, num_new_tokens, computed_blocks, self._lookahead(request))
+        new_blocks = self.kv_cache_manager.allocate_slots(*args)
+        if new_blocks is None and any(r.num_computed_tokens for r in self.held_requests.values()):
+            for held in self.held_requests.values():
+                self.kv_cache_manager.free(held)
+                held.num_computed_tokens = 0
+            new_blocks = self.kv_cache_manager.allocate_slots(*args)
+        return new_blocks
+
+    def fork_request(self, parent_id: str, child: Request) -> None:
+        """Queue `child`, which continues `parent_id`, a finished request that kept its blocks
+        (`held_requests`): the child's tokens extend the parent's computed ones, whose blocks
+        it shares (`KVCacheManager.fork`) instead of computing them again. It waits at the head
+        of the queue (under priority, at the parent's place) as a new request: the model runner
+        gets its block table whole, copies on write included, when it is admitted."""
+        parent = self.held_requests.get(parent_id)
+        if parent is None:
+            raise ValueError(f"request {parent_id!r} is not a finished request keeping its blocks")
+        if child.request_id in self.requests:
+            raise ValueError(f"request_id {child.request_id!r} is already running")
+        num_tokens = parent.num_computed_tokens
+        if not (
+            child.num_tokens > num_tokens
+            and child.all_token_ids[:num_tokens] == parent.all_token_ids[:num_tokens]
+        ):
+            raise ValueError("a fork's tokens must extend its parent's computed tokens")
+        check_prompt_len(child.num_prompt_tokens, self.config.max_model_len)
+        child.arrival_order = parent.arrival_order
+        child.num_computed_tokens = self.kv_cache_manager.fork(parent, child)
+        self.requests[child.request_id] = child
+        self._enqueue(self.waiting, child, at_head=True)
+
+    def release_blocks(self, request_ids: Iterable[str]) -> None:
+        """Free the blocks that these finished requests kept for their forks."""
+        for req_id in request_ids:
+            request = self.held_requests.pop(req_id, None)
+            if request is not None:
+                self.kv_cache_manager.free(request)
 
     def _clip(self, num_new_tokens: int, token_budget: int) -> int:
         """Chunk a request's missing tokens by the long-prefill threshold and the budget."""
@@ -443,7 +497,10 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
-        self.kv_cache_manager.free(request)
+        if request.keep_blocks and request.status != RequestStatus.FINISHED_ABORTED:
+            self.held_requests[request.request_id] = request  # until `release_blocks`
+        else:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         self.num_structured_output_reqs -= request.use_structured_output

@@ -60,12 +60,12 @@ class DraftModelProposer:
             self.model.get_kv_cache_spec(), dtype=runner.dtype
         )
         self.num_computed: dict[str, int] = {}  # req_id -> tokens whose draft KV is written
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         runner = self.runner
-        self.model.bind_kv_cache(
-            self.kv_cache_spec.allocate(num_blocks, runner.block_size, runner.device)
-        )
+        self.kv_caches = self.kv_cache_spec.allocate(num_blocks, runner.block_size, runner.device)
+        self.model.bind_kv_cache(self.kv_caches)
 
     def reset(self, req_id: str, num_computed_tokens: int) -> None:
         """The request's blocks were (re)assigned: its draft KV is valid up to the target's."""
