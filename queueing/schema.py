@@ -25,7 +25,7 @@ from typing import Any
 
 import msgpack
 
-from engine import MAX_LOGIT_BIAS, sampling_fields, value_kinds
+from engine import MAX_LOGIT_BIAS, BeamSearchParams, sampling_fields, value_kinds
 
 VERSION = 1
 MAX_MESSAGE_BYTES = 4 << 20  # a whole encoded message
@@ -103,12 +103,26 @@ def _accepted(kinds: tuple[type, ...], nullable: bool) -> tuple[type, ...]:
 SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     name: _accepted(spec.kinds, spec.nullable) for name, spec in sampling_fields().items()
 }
+# Beam search fields accepted on the wire (`GenerateRequest.beam_search`), likewise.
+BEAM_SEARCH_FIELDS: dict[str, tuple[type, ...]] = {
+    name: _accepted(*value_kinds(kind))
+    for name, kind in typing.get_type_hints(BeamSearchParams).items()
+}
 
 
 def _check_type(owner: str, name: str, value: Any, types: tuple[type, ...]) -> None:
     # msgpack's true/false must not pass as the integers Python considers them.
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         raise SchemaError(f"{owner} {name!r} has type {type(value).__name__}")
+
+
+def _check_fields(owner: str, values: dict[str, Any], known: dict[str, tuple[type, ...]]) -> None:
+    """Each of a map's fields is known, of one of its types; raise SchemaError naming it."""
+    for name, value in values.items():
+        types = known.get(name)
+        if types is None:
+            raise SchemaError(f"unknown {owner} {name!r}")
+        _check_type(owner, name, value, types)
 
 
 @dataclass
@@ -180,7 +194,7 @@ def _field_types(cls: type[_Message]) -> dict[str, tuple[type, ...]]:
 
 
 @functools.cache
-def _required(cls: type[_Message]) -> tuple[str, ...]:
+def _required(cls: type) -> tuple[str, ...]:
     return tuple(
         f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
     )
@@ -212,6 +226,8 @@ class GenerateRequest(_Message):
     deadline_ms: int | None = None  # unix ms after which the request is finished with an error
     # vLLM's: lower runs first on an engine with scheduling_policy "priority"; others take 0 only
     priority: int = _added_later(0)
+    # A beam search instead of sampling (then `sampling` is empty): `BeamSearchParams` fields
+    beam_search: dict[str, Any] | None = _added_later(None)  # noqa: RUF009 - a field()
 
     def validate(self) -> None:
         _check_id(self.request_id, "request_id")
@@ -236,11 +252,14 @@ class GenerateRequest(_Message):
                     and isinstance(m.get("content"), str)
                 ):
                     raise SchemaError("each message needs string 'role' and 'content'")
-        for name, value in self.sampling.items():
-            types = SAMPLING_FIELDS.get(name)
-            if types is None:
-                raise SchemaError(f"unknown sampling field {name!r}")
-            _check_type("sampling field", name, value, types)
+        _check_fields("sampling field", self.sampling, SAMPLING_FIELDS)
+        if self.beam_search is not None:
+            if self.sampling:
+                raise SchemaError("beam_search cannot be combined with sampling fields")
+            _check_fields("beam_search field", self.beam_search, BEAM_SEARCH_FIELDS)
+            for name in _required(BeamSearchParams):
+                if name not in self.beam_search:
+                    raise SchemaError(f"beam_search needs {name!r}")
         if self.reply_to is not None and not self.reply_to.startswith(NAMESPACE + "resp:"):
             raise SchemaError(f"reply_to must name a stream under '{NAMESPACE}resp:'")
 

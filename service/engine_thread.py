@@ -27,7 +27,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import EngineStats, LLMEngine, RequestOutput, SamplingParams, apply_chat_template
+from engine import (
+    BeamSearchParams,
+    EngineStats,
+    LLMEngine,
+    RequestOutput,
+    SamplingParams,
+    apply_chat_template,
+)
 from queueing.schema import GenerateRequest, check_prompt_logprobs_size
 
 logger = logging.getLogger("kvrail.worker.engine")
@@ -46,7 +53,7 @@ class AddCommand:
     """A request ready for the engine: parsed and tokenized on the tokenizer thread."""
 
     request: GenerateRequest
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams  # the latter with `GenerateRequest.beam_search`
     prompt: dict[str, Any]  # {"prompt": text or None, "prompt_token_ids": [...]}
     resume: ResumeState | None = None
 
@@ -139,7 +146,10 @@ class EngineThread(threading.Thread):
         then the prompt, then the size of its logprobs), then queue the request for `_add`."""
         rid = request.request_id
         try:
-            params = SamplingParams(**request.sampling)
+            if request.beam_search is not None:
+                params = BeamSearchParams(**request.beam_search)
+            else:
+                params = SamplingParams(**request.sampling)
             if request.messages is not None:
                 prompt = apply_chat_template(self.engine.tokenizer, request.messages)[1]
             elif request.prompt_token_ids is not None:
@@ -147,7 +157,7 @@ class EngineThread(threading.Thread):
             else:
                 prompt = request.prompt
             text, prompt_token_ids = self.engine.tokenize_prompt(prompt)
-            if params.prompt_logprobs is not None:
+            if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
                 # They travel in one chunk: refuse a prompt whose chunk would be too large.
                 check_prompt_logprobs_size(len(prompt_token_ids), params.prompt_logprobs)
         except Exception as e:  # a chat template can raise anything; unanswered, it would hang
@@ -207,7 +217,9 @@ class EngineThread(threading.Thread):
             resume = None
             if command.resume is not None:
                 done, emitted = command.resume.finished, command.resume.token_ids
-                resume = [None if i in done else emitted.get(i, []) for i in range(params.n)]
+                # A beam search's choices all come in its last step's chunks (one batch).
+                n = params.beam_width if isinstance(params, BeamSearchParams) else params.n
+                resume = [None if i in done else emitted.get(i, []) for i in range(n)]
                 if all(r is None for r in resume):
                     # Every choice had finished when the last worker died, before the usage
                     # chunk: only that chunk is missing.

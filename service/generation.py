@@ -287,7 +287,7 @@ async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
     prompts = await _tokenize(state, parsed)
     max_model_len = await state.serving_max_model_len()
     for prompt in prompts:
-        _check_length(len(prompt.token_ids), parsed.sampling["max_tokens"], max_model_len)
+        _check_length(len(prompt.token_ids), parsed.max_tokens, max_model_len)
         if parsed.sampling.get("prompt_logprobs") is not None:
             try:
                 check_prompt_logprobs_size(
@@ -302,6 +302,7 @@ async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
             prompt_token_ids=prompt.token_ids,
             sampling=parsed.sampling,
             priority=parsed.priority,
+            beam_search=parsed.beam_search,
         )
         for request_id, prompt in zip(parsed.engine_request_ids, prompts, strict=True)
     ]
@@ -321,7 +322,7 @@ async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
         parsed.include_usage,
         sum(len(prompt.token_ids) for prompt in prompts),
         num_prompts=len(prompts),
-        n=parsed.sampling.get("n", 1),
+        n=parsed.n,
         top_logprobs=parsed.sampling.get("logprobs"),
         echo=[prompt.echo for prompt in prompts] if parsed.echo else None,
         echo_only=parsed.echo_only,

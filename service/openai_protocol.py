@@ -8,7 +8,8 @@ A field the parser does not know is refused (400 naming it), or with `KVRAIL_UNK
 logged and ignored: a field that is accepted takes effect. The known fields are the ones the
 parser reads (`RequestBody`), so the parser is their only list. A completion's `prompt` may be
 a batch: each prompt is its own engine request (`engine_request_ids`), and its choices are
-numbered `prompt_index * n + i`, as vLLM does.
+numbered `prompt_index * n + i`, as vLLM does. With vLLM's `use_beam_search`, `n` is the beam
+width and each prompt's choices are its beams, best first (`engine.BeamSearchParams`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import structlog
 
 from engine import (
     MAX_LOGPROBS,
+    BeamSearchParams,
     FinishReason,
     SamplingParams,
     StructuredOutputsParams,
@@ -178,10 +180,23 @@ class ParsedRequest:
     tool_choice: ToolChoice | None = None  # chat with tools: how its choices call them
     priority: int = 0  # vLLM's: lower runs first (`GenerateRequest.priority`)
     created: int = field(default_factory=lambda: int(time.time()))
+    # use_beam_search: the wire map of `BeamSearchParams` (then `sampling` is empty)
+    beam_search: dict[str, Any] | None = None
 
     @property
     def engine_request_ids(self) -> list[str]:
         return engine_request_ids(self.request_id, max(1, len(self.prompts)))
+
+    @property
+    def n(self) -> int:
+        """Choices per prompt: `n`, a beam search's width."""
+        if self.beam_search is not None:
+            return self.beam_search["beam_width"]
+        return self.sampling.get("n", 1)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return (self.beam_search or self.sampling)["max_tokens"]
 
 
 def engine_request_ids(request_id: str, num_prompts: int) -> list[str]:
@@ -398,6 +413,47 @@ def _parse_priority(body: dict[str, Any]) -> int:
     return priority
 
 
+# The sampling fields a beam search takes: `n` is its width; temperature 0 is what it scores
+# at (the model's logprobs as they are), the other fields are refused unless at their defaults.
+_BEAM_SEARCH_SAMPLING = ("n", "max_tokens", "ignore_eos")
+
+
+def _parse_beam_search(body: dict[str, Any], sampling: dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM's `use_beam_search` (`n` beams, `length_penalty`): the wire map of
+    `BeamSearchParams`, or None without it. A sampling field a beam search cannot apply is
+    refused, naming it."""
+    use_beam_search = get_field(body, "use_beam_search", (bool,), False)
+    length_penalty = get_field(body, "length_penalty", (int, float))
+    if not use_beam_search:
+        if length_penalty is not None:
+            raise ApiError(
+                400, "'length_penalty' needs use_beam_search=true", param="length_penalty"
+            )
+        return None
+    defaults = SamplingParams()
+    for name, value in sampling.items():
+        at_default = value == (0 if name == "temperature" else getattr(defaults, name))
+        if name not in _BEAM_SEARCH_SAMPLING and not at_default:
+            if name == "structured_outputs":  # named by the field that gave the constraint
+                sources = ("structured_outputs", "response_format", *GUIDED_FIELDS, "tool_choice")
+                name = next(f for f in sources if body.get(f) is not None)
+            why = "must be 0 or absent" if name == "temperature" else "does not apply"
+            raise ApiError(400, f"'{name}' {why} with use_beam_search=true", param=name)
+    beam_search = {
+        "beam_width": sampling.get("n", 1),
+        "max_tokens": sampling["max_tokens"],
+        "ignore_eos": sampling.get("ignore_eos", False),
+        "length_penalty": 1.0 if length_penalty is None else length_penalty,
+    }
+    try:
+        BeamSearchParams(**beam_search)
+    except ValueError as e:
+        name = str(e).split()[0]
+        param = "n" if name == "beam_width" else name
+        raise ApiError(400, f"'{param}' (use_beam_search): {e}", param=param) from None
+    return beam_search
+
+
 def _reject_unsupported(body: dict[str, Any], names: tuple[str, ...]) -> None:
     for name in names:
         if body.get(name) not in (None, False, [], ""):
@@ -432,17 +488,19 @@ def parse_completion(body: RequestBody, context: ParseContext) -> ParsedRequest:
         sampling.setdefault("prompt_logprobs", logprobs)
     _check_prompt_logprobs_stream(sampling, stream)
     priority = _parse_priority(body)
+    beam_search = _parse_beam_search(body, sampling)
     _unknown(body.unread(), context.unknown_fields)
     return ParsedRequest(
         "completion",
         f"cmpl-{uuid.uuid4().hex}",
-        sampling,
+        {} if beam_search else sampling,
         stream,
         include_usage,
         prompts,
         echo=echo,
         echo_only=echo_only,
         priority=priority,
+        beam_search=beam_search,
     )
 
 
@@ -503,17 +561,19 @@ def parse_chat(body: RequestBody, context: ParseContext) -> ParsedRequest:
     stream, include_usage = _parse_stream(body)
     _check_prompt_logprobs_stream(sampling, stream)
     priority = _parse_priority(body)
+    beam_search = _parse_beam_search(body, sampling)
     _unknown(body.unread(), context.unknown_fields)
     return ParsedRequest(
         "chat",
         f"chatcmpl-{uuid.uuid4().hex}",
-        sampling,
+        {} if beam_search else sampling,
         stream,
         include_usage,
         messages=messages,
         chat_template=chat_template,
         tool_choice=tool_choice,
         priority=priority,
+        beam_search=beam_search,
     )
 
 
@@ -861,7 +921,7 @@ def build_response(
     token_str: TokenStrings,
 ) -> dict[str, Any]:
     """The non-streaming response object from all chunks of each prompt's engine request."""
-    n = parsed.sampling.get("n", 1)
+    n = parsed.n
     out, completion_tokens = [], 0
     for p, (prompt, chunks) in enumerate(zip(prompts, results, strict=True)):
         choices = {i: _Choice() for i in range(n)}

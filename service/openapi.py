@@ -79,6 +79,11 @@ _SAMPLING = {
     "stream_options": _nullable(
         {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}
     ),
+    # vLLM's beam search: n beams (at most MAX_BEAM_WIDTH), the choices best first; with it a
+    # sampling field other than n, max_tokens, ignore_eos is refused unless at its default
+    # (temperature: 0). length_penalty only with it.
+    "use_beam_search": _nullable({"type": "boolean"}),
+    "length_penalty": _nullable({"type": "number"}),
 }
 # Fields of features still to come: accepted only as their "off" values until then (others
 # are refused with "not supported yet"), and never as unknown fields.

@@ -229,6 +229,7 @@ def test_parse_range_and_verdict():
         "attention_kernels",
         "structured",
         "priority",
+        "beam_search",
     ],
 )
 def test_help_exits_zero(script):
@@ -293,3 +294,22 @@ def test_structured_throughput_gives_both_runs_the_same_work(tmp_path):
     times = compile_times(llm, args)
     assert len(times["new_ms"]) == len(times["cached_ms"]) == 1
     assert_pool_free(llm)
+
+
+def test_beam_search_benchmark_counts_the_blocks_beams_share(tmp_path):
+    """benchmarks.beam_search on a tiny model: greedy's peak is its sequence's blocks; beam
+    search's is the prompt's full blocks plus each beam's tail, with copies on write."""
+    from benchmarks.beam_search import measure
+    from engine import LLMEngine
+    from tests.engine.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=2)
+    engine = LLMEngine.from_kwargs(model=str(model_dir), dtype="float32", block_size=16)
+    (result,) = measure(engine, [list(range(1000, 1100))], beam_width=4, max_tokens=8)
+    greedy, beam = result["greedy"], result["beam"]
+    assert greedy["peak_blocks"] == math.ceil((100 + 8 - 1) / 16) and not greedy["copies_on_write"]
+    assert beam["peak_blocks"] <= 100 // 16 + 4 * math.ceil((100 % 16 + 8) / 16)
+    assert beam["copies_on_write"] > 0
+    assert result["no_sharing_blocks"] == 4 * greedy["peak_blocks"]
+    assert result["ratio"] == beam["peak_blocks"] / greedy["peak_blocks"]
+    assert engine.get_stats().num_blocks_in_use == 0

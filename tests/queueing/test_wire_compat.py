@@ -103,3 +103,20 @@ def test_a_field_added_later_travels_only_when_set():
         packed = msgpack.packb({"v": 1, "request_id": "r", "prompt": "x", "priority": bad})
         with pytest.raises(SchemaError, match=why):
             GenerateRequest.decode(packed)
+
+
+def test_beam_search_travels_only_when_set():
+    """`GenerateRequest.beam_search` came later too: unset, a message packs as before; set,
+    it travels, strictly checked against `BeamSearchParams`'s fields."""
+    plain = GenerateRequest("cmpl-1", prompt="x")
+    assert GenerateRequest("cmpl-1", prompt="x", beam_search=None).encode() == plain.encode()
+    beams = GenerateRequest("cmpl-1", prompt="x", beam_search={"beam_width": 4, "max_tokens": 8})
+    assert GenerateRequest.decode(beams.encode()) == beams
+    for bad, why in [
+        ({"beam_width": 4}, "needs 'max_tokens'"),
+        ({"beam_width": 4.0, "max_tokens": 8}, "has type float"),
+        ({"beam_width": 4, "max_tokens": 8, "n": 4}, "unknown beam_search field 'n'"),
+    ]:
+        packed = msgpack.packb({"v": 1, "request_id": "r", "prompt": "x", "beam_search": bad})
+        with pytest.raises(SchemaError, match=why):
+            GenerateRequest.decode(packed)
