@@ -4,12 +4,7 @@ The public API matches vLLM's, so code can switch between the two:
     from engine import LLM, SamplingParams
 """
 
-from engine.beam_search import (
-    MAX_BEAM_WIDTH,
-    BeamSearchOutput,
-    BeamSearchParams,
-    BeamSearchSequence,
-)
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.chat_template import apply_chat_template, chat_template_variables
 from engine.config import EngineConfig
 from engine.detokenizer import TokenBytes
@@ -34,7 +29,6 @@ from engine.structured_outputs import StructuredOutputsParams
 __all__ = [
     "LLM",
     "MAX_ABS_LOGIT_BIAS",
-    "MAX_BEAM_WIDTH",
     "MAX_LOGIT_BIAS",
     "MAX_LOGPROBS",
     "MAX_STOP_STRINGS",

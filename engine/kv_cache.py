@@ -204,9 +204,8 @@ class KVCacheManager:
         num_new_blocks = max(0, num_required_blocks - len(req_blocks) - len(new_computed_blocks))
         # The block the step writes first is still shared with a fork (`fork`): copy on write.
         first = num_computed_tokens // self.block_size
-        copy_on_write = (
-            num_new_tokens > 0 and first < len(req_blocks) and (req_blocks[first].ref_cnt > 1)
-        )
+        copy_on_write = num_new_tokens > 0 and first < len(req_blocks)
+        copy_on_write = copy_on_write and req_blocks[first].ref_cnt > 1
         # Hits sitting in the free queue stop being free once referenced.
         num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         if num_new_blocks + copy_on_write > self.block_pool.get_num_free_blocks() - num_free_hits:

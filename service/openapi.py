@@ -79,9 +79,9 @@ _SAMPLING = {
     "stream_options": _nullable(
         {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}
     ),
-    # vLLM's beam search: n beams (at most MAX_BEAM_WIDTH), the choices best first; with it a
-    # sampling field other than n, max_tokens, ignore_eos is refused unless at its default
-    # (temperature: 0). length_penalty only with it.
+    # vLLM's beam search: n beams (at most engine.beam_search.MAX_BEAM_WIDTH), best first;
+    # with it a sampling field other than n, max_tokens, ignore_eos is refused unless at its
+    # default (temperature: 0). length_penalty only with it.
     "use_beam_search": _nullable({"type": "boolean"}),
     "length_penalty": _nullable({"type": "number"}),
 }

@@ -15,6 +15,7 @@ from engine.kv_cache import KVCacheManager, hash_block_tokens
 from engine.request import Request
 from tests.engine.test_kv_cache import assert_all_free
 from tests.engine.test_llm import PROMPTS, assert_pool_free
+from tests.engine.test_scheduler import EOS, fake_runner, make_scheduler, run_to_completion, step
 from tests.engine.tiny_models import make_tiny_model, smollm2_dir
 
 NUM_NEW_TOKENS = 12
@@ -115,12 +116,15 @@ SEARCHES = [(1, 1.0, False), (2, 1.0, False), (4, 1.0, False), (4, -0.5, False),
 
 @pytest.mark.parametrize(
     "kwargs,searches",
-    [(dict(), SEARCHES), (dict(block_size=8, max_num_batched_tokens=16), SEARCHES[2:])],
-    ids=["default", "bs8-chunked-prefill"],
+    [
+        (dict(), SEARCHES),
+        (dict(block_size=8, max_num_batched_tokens=16, enable_prefix_caching=False), SEARCHES[2:]),
+    ],
+    ids=["default", "bs8-chunked-no-prefix-cache"],
 )
 def test_tiny_model_matches_hf(eos_model, hf_beam_search, kwargs, searches):
-    """The chunked run forks beams at every offset of 8-token blocks, after prompts
-    prefilled over several steps."""
+    """The second run forks beams at every offset of 8-token blocks, after prompts prefilled
+    over several steps, with blocks shared by reference only (no prefix cache)."""
     llm = LLM(str(eos_model), dtype="float32", **kwargs)
     reasons = []
     for beam_width, length_penalty, ignore_eos in searches:
@@ -264,14 +268,69 @@ def test_beams_share_their_prefix_blocks(eos_model):
     assert_pool_free(llm)
 
 
-def test_a_tiny_pool_gives_the_same_beams(eos_model):
-    """KV pressure: the blocks kept for forks are freed first, waiting forks give theirs up
-    when nothing runs, and the search still ends with the beams of a roomy pool."""
+def held_parent(sched, num_tokens: int = 10) -> Request:
+    """A finished request of `num_tokens` prompt tokens that kept its blocks."""
+    tokens = list(range(10, 10 + num_tokens))
+    parent = Request("p", tokens, SamplingParams(max_tokens=1), EOS, keep_blocks=True)
+    sched.add_request(parent)
+    step(sched)
+    assert sched.held_requests == {"p": parent}
+    return parent
+
+
+def test_pressure_frees_the_blocks_kept_for_forks_first():
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    parent = held_parent(sched)  # 3 blocks of 4
+    sched.add_request(Request("q", list(range(50, 62)), SamplingParams(max_tokens=1), EOS))
+    out = sched.schedule()  # q needs 3 blocks, 1 is free
+    assert out.num_scheduled_tokens == {"q": 12} and parent.num_computed_tokens == 0
+    sched.update_from_output(out, fake_runner(sched, out))
+    fork = Request("c", [*parent.prompt_token_ids, 30], SamplingParams(max_tokens=1), EOS)
+    sched.fork_request("p", fork)  # the parent's blocks went: the fork computes its tokens
+    sched.release_blocks(["p"])
+    assert fork.num_computed_tokens == 0
+    run_to_completion(sched)
+    assert fork.output_token_ids == [7]
+
+
+def test_waiting_forks_give_their_blocks_up_when_nothing_runs():
+    """Two forks of a request filling the pool: the first needs a copy of the shared block
+    and no block is free, nothing runs to free one, so the forks give theirs up and are
+    computed again (from the prefix cache's full blocks), one after the other."""
+    sched = make_scheduler(num_blocks=3, block_size=4)
+    parent = held_parent(sched)
+    forks = [
+        Request(f"c{t}", [*parent.prompt_token_ids, t], SamplingParams(max_tokens=1), EOS)
+        for t in (30, 31)
+    ]
+    for fork in forks:
+        sched.fork_request("p", fork)
+    sched.release_blocks(["p"])
+    assert sched.kv_cache_manager.get_num_blocks_in_use() == 3
+    out = sched.schedule()
+    assert not out.num_scheduled_tokens and not out.blocks_to_copy
+    assert sched.kv_cache_manager.get_num_blocks_in_use() == 0
+    assert [f.num_computed_tokens for f in forks] == [0, 0]
+    sched.update_from_output(out, fake_runner(sched, out))
+    run_to_completion(sched)
+    assert [f.output_token_ids for f in forks] == [[7], [7]]
+    assert all(f.num_cached_tokens == 8 for f in forks)
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [dict(num_kv_blocks=12, max_model_len=96), dict(max_num_seqs=3)],
+    ids=["tiny-pool", "fewer-seats-than-beams"],
+)
+def test_constrained_engines_give_the_same_beams(eos_model, limits):
+    """KV pressure (the blocks kept for forks freed first, waiting forks giving theirs up when
+    nothing runs), or fewer seats than beams (a step's beams run over several steps): the
+    searches end with the beams of an unconstrained engine."""
     prompts = [PROMPTS[6], PROMPTS[2]]
     params = BeamSearchParams(4, 24, ignore_eos=True)
     kwargs = dict(dtype="float32", block_size=8)
     expected = LLM(str(eos_model), **kwargs).beam_search(prompts, params)
-    llm = LLM(str(eos_model), num_kv_blocks=12, max_model_len=96, **kwargs)
+    llm = LLM(str(eos_model), **limits, **kwargs)
     outputs = llm.beam_search(prompts, params)
     assert [[s.tokens for s in o.sequences] for o in outputs] == [
         [s.tokens for s in o.sequences] for o in expected
