@@ -4,7 +4,12 @@ The public API matches vLLM's, so code can switch between the two:
     from engine import LLM, SamplingParams
 """
 
-from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from engine.beam_search import (
+    MAX_ABS_LENGTH_PENALTY,
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+)
 from engine.chat_template import apply_chat_template, chat_template_variables
 from engine.config import EngineConfig
 from engine.detokenizer import TokenBytes
@@ -28,6 +33,7 @@ from engine.structured_outputs import StructuredOutputsParams
 
 __all__ = [
     "LLM",
+    "MAX_ABS_LENGTH_PENALTY",
     "MAX_ABS_LOGIT_BIAS",
     "MAX_LOGIT_BIAS",
     "MAX_LOGPROBS",

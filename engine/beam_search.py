@@ -28,7 +28,6 @@ max_new_tokens=max_tokens)` (HF's default `early_stopping`), best first:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,6 +43,10 @@ if TYPE_CHECKING:
 # A beam's candidates are its request's top 2k logprobs, at most MAX_LOGPROBS (as in vLLM,
 # whose beam search asks for 2k logprobs within its max_logprobs, 20 by default).
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+# |length_penalty| at most this: a larger exponent only makes the longest (or the shortest)
+# hypothesis win, and `len ** length_penalty` must stay a finite, non-zero float (8192 ** 10 is
+# 2 ** 130; 2 ** 1e308 raises OverflowError, which would fail the engine's step).
+MAX_ABS_LENGTH_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,9 @@ class BeamSearchParams:
         check(
             isinstance(self.length_penalty, int | float)
             and not isinstance(self.length_penalty, bool)
-            and math.isfinite(self.length_penalty),
+            and abs(self.length_penalty) <= MAX_ABS_LENGTH_PENALTY,
             "length_penalty",
-            "must be a finite number",
+            f"must be a number in [-{MAX_ABS_LENGTH_PENALTY}, {MAX_ABS_LENGTH_PENALTY}]",
         )
 
 
@@ -198,8 +201,10 @@ class BeamSearchRequest:
         child_to_parent[first.request_id] = request_id
 
     def _request(self, index: int, token_ids: list[int]) -> Request:
+        # With spaces, which no request id from the wire has (`queueing.schema`): a request
+        # added meanwhile cannot take the id of a beam forked later.
         return Request(
-            f"beam{self.num_steps}.{index}_{self.request_id}",
+            f"beam {self.num_steps}.{index} {self.request_id}",
             self.prompt_token_ids + token_ids,
             self.sampling_params,
             self.eos_token_id,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine import (
+    MAX_ABS_LENGTH_PENALTY,
     MAX_ABS_LOGIT_BIAS,
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
@@ -83,7 +84,13 @@ _SAMPLING = {
     # with it a sampling field other than n, max_tokens, ignore_eos is refused unless at its
     # default (temperature: 0). length_penalty only with it.
     "use_beam_search": _nullable({"type": "boolean"}),
-    "length_penalty": _nullable({"type": "number"}),
+    "length_penalty": _nullable(
+        {
+            "type": "number",
+            "minimum": -MAX_ABS_LENGTH_PENALTY,
+            "maximum": MAX_ABS_LENGTH_PENALTY,
+        }
+    ),
 }
 # Fields of features still to come: accepted only as their "off" values until then (others
 # are refused with "not supported yet"), and never as unknown fields.

@@ -405,6 +405,8 @@ def test_beam_search_with_a_draft_model(eos_model):
         (dict(beam_width=2, max_tokens=8, ignore_eos=1), "ignore_eos"),
         (dict(beam_width=2, max_tokens=8, length_penalty=math.nan), "length_penalty"),
         (dict(beam_width=2, max_tokens=8, length_penalty=math.inf), "length_penalty"),
+        (dict(beam_width=2, max_tokens=8, length_penalty=1e308), "length_penalty"),
+        (dict(beam_width=2, max_tokens=8, length_penalty=-10.5), "length_penalty"),
         (dict(beam_width=2, max_tokens=8, length_penalty="1"), "length_penalty"),
     ],
 )

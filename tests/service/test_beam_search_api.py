@@ -121,6 +121,7 @@ COMPLETION_BEAMS = {"model": MODEL, "prompt": "Hello", **BEAMS}
         ("/v1/completions", COMPLETION_BEAMS, {"n": 11}, "n"),
         ("/v1/completions", COMPLETION_BEAMS, {"best_of": 4}, "best_of"),
         ("/v1/completions", COMPLETION_BEAMS, {"length_penalty": "long"}, "length_penalty"),
+        ("/v1/completions", COMPLETION_BEAMS, {"length_penalty": 1e308}, "length_penalty"),
         ("/v1/completions", COMPLETION_BEAMS, {"use_beam_search": 1}, "use_beam_search"),
         (
             "/v1/chat/completions",
