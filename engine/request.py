@@ -256,6 +256,8 @@ class FinishReason(enum.StrEnum):
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_FSM = enum.auto()  # waiting, its grammar still compiling (structured outputs)
+    # A session's turn has ended: its KV is kept until the next chunk (or it is closed)
+    WAITING_FOR_INPUT = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is finished.
@@ -286,6 +288,9 @@ class Request:
     (`LLMEngine.add_request(resume=...)`); a grammar's matcher accepts them first.
     `priority`: under the "priority" scheduling policy, lower values run first, ties by
     `arrival_order` (the scheduler numbers requests as they arrive).
+    `resumable`: a session's turn (`LLMEngine.add_request(resumable=True)`): when it ends, the
+    scheduler keeps its KV blocks and it waits for input (`WAITING_FOR_INPUT`); the next turn
+    is a new `Request` over the whole history that takes those blocks over.
     """
 
     def __init__(
@@ -296,9 +301,12 @@ class Request:
         eos_token_id: int | None,
         num_resumed_tokens: int = 0,
         priority: int = 0,
+        resumable: bool = False,
     ) -> None:
         self.request_id = request_id
         self.priority = priority
+        self.resumable = resumable
+        self.waiting_since = 0.0  # time.monotonic() when its turn ended (WAITING_FOR_INPUT)
         self.arrival_order = 0  # set by `Scheduler.add_request`
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

@@ -25,17 +25,27 @@ the lowest priority, then the latest. A waiting request that finds every seat ta
 requests it outranks preempts the lowest of them for its seat (vLLM v0's priority
 preemption; v1 makes it wait for the next seat to free). Equal priorities never preempt each
 other and are served first come, first served, so none of them starves.
+
+Streaming-input sessions (vLLM's WAITING_FOR_INPUT) add a place a request can be without
+being live: a resumable request whose turn ends keeps its KV blocks in `sessions`, out of
+both queues, and its next turn, a new request over the whole history, takes those blocks over
+for the tokens both begin with, so only the new tokens (and the last sampled one, whose KV
+was never written) are computed. Under KV pressure the sessions' blocks go first, the one
+idle longest first, before any running request is preempted: the next turn recomputes them
+(the prefix cache still finds the full blocks nobody reused). A session idle past
+`session_timeout_s` is closed.
 """
 
 from __future__ import annotations
 
+import time
 from bisect import insort
 from collections import deque
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Sequence
 from operator import attrgetter
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.kv_cache import KVCacheManager
+from engine.kv_cache import KVCacheBlock, KVCacheManager
 from engine.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -71,16 +81,21 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         # In admission order (fcfs) or `_PRIORITY_ORDER`: the last is preempted first.
         self.running: list[Request] = []
+        # Sessions waiting for their next turn, in the order their turns ended: the first is
+        # evicted first under KV pressure and times out first.
+        self.sessions: dict[str, Request] = {}
         self.num_arrivals = 0
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self.num_structured_output_reqs = 0  # live requests with a grammar
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # prompt tokens computed (not found in the cache or kept)
         k = scheduler_config.num_speculative_tokens
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * k
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request. The caller validated it; ids must be unique among live requests."""
+        """Queue a new request, or the next turn of the session of its id (see `_take_over`).
+        The caller validated it; ids must be unique among live requests."""
         check_prompt_len(request.num_prompt_tokens, self.config.max_model_len)
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
@@ -88,11 +103,60 @@ class Scheduler:
             raise OverflowError(
                 f"waiting queue is full ({self.config.max_waiting_requests} requests)"
             )
+        session = self.sessions.pop(request.request_id, None)
+        if session is not None:
+            self._take_over(session, request)
         request.arrival_order = self.num_arrivals
         self.num_arrivals += 1
         self.requests[request.request_id] = request
         self._enqueue(self.waiting, request)
         self.num_structured_output_reqs += request.use_structured_output
+
+    def _take_over(self, session: Request, request: Request) -> None:
+        """`request`, a session's next turn over its whole history, keeps the session's KV for
+        the tokens both begin with: all the session computed, unless the history it is given
+        was cut (a stop string inside a step's accepted drafts), and never `request`'s last
+        token, whose logits are needed. A block the next tokens would write into is kept only
+        if it is the session's own (not in the prefix cache, so shared with no one)."""
+        limit = min(session.num_computed_tokens, request.num_tokens - 1)
+        num_common = _num_common_tokens(
+            session.all_token_ids[:limit], request.all_token_ids[:limit]
+        )
+        request.num_computed_tokens = self.kv_cache_manager.truncate(request, num_common)
+        request.block_hashes = session.block_hashes[: num_common // self.block_size]
+
+    def close_idle_sessions(self) -> list[str]:
+        """Close the sessions waiting for input longer than `session_timeout_s`, freeing
+        their blocks; returns their ids."""
+        deadline = time.monotonic() - self.config.session_timeout_s
+        closed = []
+        for session in list(self.sessions.values()):  # in the order they began waiting
+            if session.waiting_since > deadline:
+                break
+            del self.sessions[session.request_id]
+            self.kv_cache_manager.free(session)
+            closed.append(session.request_id)
+        return closed
+
+    def _allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[KVCacheBlock] | None:
+        """`KVCacheManager.allocate_slots`, evicting the KV of waiting sessions (the one idle
+        longest first) while the pool has no room; None when there is none left to evict."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, computed_blocks, self._lookahead(request)
+            )
+            if new_blocks is not None:
+                return new_blocks
+            session = next((s for s in self.sessions.values() if s.num_computed_tokens), None)
+            if session is None:
+                return None
+            self.kv_cache_manager.free(session)
+            session.num_computed_tokens = 0  # its next turn recomputes it
 
     def schedule(self, request_ids: Container[str] | None = None) -> SchedulerOutput:
         """Spend this step's `token_budget`; see the module docstring. Mutates request state.
@@ -125,9 +189,7 @@ class Scheduler:
                 req_index += 1
                 continue
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, num_lookahead_tokens=self._lookahead(request)
-                )
+                new_blocks = self._allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
                     break
                 # The latest admitted (fcfs), the lowest priority then latest (priority): never
@@ -163,14 +225,12 @@ class Scheduler:
             num_new_tokens = self._clip(
                 request.num_tokens - request.num_computed_tokens - num_hit_tokens, token_budget
             )
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, computed_blocks, self._lookahead(request)
-            )
+            new_blocks = self._allocate_slots(request, num_new_tokens, computed_blocks)
             if new_blocks is None:
                 break
             request.num_computed_tokens += num_hit_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:  # hits, and a session's turn the KV it kept
+                request.num_cached_tokens = request.num_computed_tokens
             if request.status == RequestStatus.PREEMPTED:
                 resumed_reqs.append(request)
             else:
@@ -186,7 +246,11 @@ class Scheduler:
         output.scheduled_spec_decode_tokens = spec_tokens
         # Counters advance now: the next schedule() sees this step's tokens as computed.
         for req_id, num_tokens in num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            num_computed = request.num_computed_tokens
+            prompt_end = min(num_computed + num_tokens, request.num_prompt_tokens)
+            self.num_prefill_tokens += max(0, prompt_end - num_computed)
+            request.num_computed_tokens += num_tokens
         if self.num_structured_output_reqs:
             self._fill_grammar_bitmask(output)
         self.finished_req_ids = set()
@@ -424,9 +488,15 @@ class Scheduler:
         finished_status: RequestStatus,
         stop_reason: int | str | None = None,
     ) -> list[str]:
-        """Finish live requests from outside a step (abort, stop string). Returns those found."""
+        """Finish live requests from outside a step (abort, stop string), or close waiting
+        sessions (abort). Returns those found."""
         found = []
         for req_id in request_ids:
+            session = self.sessions.pop(req_id, None)
+            if session is not None:
+                self.kv_cache_manager.free(session)
+                found.append(req_id)
+                continue
             request = self.requests.get(req_id)
             if request is None:
                 continue
@@ -441,12 +511,21 @@ class Scheduler:
         return found
 
     def _free_request(self, request: Request) -> None:
+        """A finished request leaves; the runner forgets it. A session's turn that ended
+        (not aborted) keeps its blocks and waits for input in `sessions`: its next turn is a
+        new request to the runner."""
         if request in self.running:
             self.running.remove(request)
-        self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         self.num_structured_output_reqs -= request.use_structured_output
+        if not request.resumable or request.status == RequestStatus.FINISHED_ABORTED:
+            self.kv_cache_manager.free(request)
+            return
+        request.status = RequestStatus.WAITING_FOR_INPUT
+        request.spec_token_ids = []
+        request.waiting_since = time.monotonic()
+        self.sessions[request.request_id] = request
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -462,8 +541,16 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            num_prefill_tokens=self.num_prefill_tokens,
             spec_decode_num_drafts=self.num_drafts,
             spec_decode_num_draft_tokens=self.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
         )
+
+
+def _num_common_tokens(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists of one length."""
+    if a == b:  # the usual case, at C speed
+        return len(a)
+    return next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
