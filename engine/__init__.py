@@ -4,7 +4,11 @@ The public API matches vLLM's, so code can switch between the two:
     from engine import LLM, SamplingParams
 """
 
-from engine.chat_template import apply_chat_template, chat_template_variables
+from engine.chat_template import (
+    apply_chat_continuation,
+    apply_chat_template,
+    chat_template_variables,
+)
 from engine.config import EngineConfig
 from engine.detokenizer import TokenBytes
 from engine.llm_engine import LLM, LLMEngine
@@ -45,6 +49,7 @@ __all__ = [
     "StructuredOutputsParams",
     "TokenBytes",
     "UnfinishedRequest",
+    "apply_chat_continuation",
     "apply_chat_template",
     "chat_template_variables",
     "load_tokenizer",
