@@ -1,5 +1,6 @@
 """Streaming-input sessions on the wire: a real `Worker` on the tiny model, turns sent with
-`KvrailClient.session`, their chunks one `seq` sequence on the session's response stream.
+`KvrailClient.session` (and over HTTP, `session_id` on chat completions, through two API
+apps), their chunks one `seq` sequence on the session's response stream.
 
 Each turn must generate what a fresh offline request over the whole history generates, with
 the session's KV kept between turns (only the new tokens computed), and a session must
@@ -19,6 +20,8 @@ from queueing import streams
 from queueing.client import KvrailClient, SessionError
 from queueing.schema import GenerateRequest, SchemaError, TokenChunk, keys, session_history
 from tests.service.conftest import ENGINE_KWARGS
+from tests.service.test_api import assert_error, parse_sse
+from tests.service.test_resume import started, two_apis
 from tests.service.test_worker import hold_steps, read_chunks, serving, submit
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -30,7 +33,9 @@ MAX_TOKENS = [10, 6, 40]
 
 @pytest.fixture(scope="module")
 def offline(model_dir):
-    """Fresh requests over whole histories: what every turn must generate."""
+    """Fresh requests over whole histories: what every turn must generate (in a test, on a
+    thread: a blocked event loop once left the client's reader hung in its cancelled XREAD
+    at teardown)."""
     llm = LLM(model=model_dir, enable_prefix_caching=False, **ENGINE_KWARGS)
 
     def generate(prompt_token_ids: list[int], max_tokens: int) -> tuple[list[int], str]:
@@ -167,7 +172,7 @@ async def test_chat_turns_are_templated_after_the_tokens_so_far(engine, offline,
     )
     context = opening + joined(answer)[0] + continuation
     assert reply[0].prompt_token_ids == continuation
-    assert joined(reply) == offline(context, 8)
+    assert joined(reply) == await asyncio.to_thread(offline, context, 8)
     history = session_history(answer + reply)
     assert history.token_ids == context + joined(reply)[0]
 
@@ -197,3 +202,89 @@ async def test_bad_turns_are_refused_clearly(engine, client, redis, redis_url):
     for bad in (dict(turn=-1), dict(turn=2**31), dict(resumable=True, reply_to="kvrail:resp:x")):
         with pytest.raises(SchemaError, match=r"turn|reply_to"):
             GenerateRequest("t", prompt="hi", **bad).validate()
+
+
+def chatml_turn(content: str) -> str:
+    """What ChatML writes after an answer cut by max_tokens, for the next user message."""
+    return f"<|im_end|>\n<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+
+
+async def test_chat_sessions_over_http_on_any_api_each_turn_its_own_response(
+    engine, offline, model_dir, redis_url
+):
+    """Turns alternate between two API apps, streamed and not; each is answered as a fresh
+    request over the history would be, in its own SSE stream (ids continuing the seqs) or
+    JSON object, and `/v1/streams/{id}` replays the last turn."""
+    tokenizer = engine.tokenizer
+    questions = ["Tell me about foxes.", "And dogs?", "And cats?"]
+    async with serving(engine, redis_url) as worker, two_apis(redis_url, model_dir) as apis:
+        await started(worker, redis_url)
+        answers = []
+        for turn, question in enumerate(questions):
+            body = {
+                "model": "llama",
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": 6,
+                "session_id": "chat-1",
+                "stream": turn != 1,
+                "stream_options": {"include_usage": True} if turn != 1 else None,
+                **GREEDY,
+            }
+            response = await apis[turn % 2].post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            answers.append(parse_sse(response.text) if turn != 1 else response.json())
+        replay = parse_sse((await apis[1].get("/v1/streams/chat-1")).text)
+    first = [{"role": "user", "content": questions[0]}]
+    context = tokenizer.encode(
+        tokenizer.apply_chat_template(first, tokenize=False, add_generation_prompt=True)
+    )
+    texts, usages = [], []
+    for turn, answer in enumerate(answers):
+        if turn:
+            context += tokenizer.encode(chatml_turn(questions[turn]))
+        token_ids, text = await asyncio.to_thread(offline, context, 6)
+        if turn == 1:
+            texts.append(answer["choices"][0]["message"]["content"])
+            usages.append(answer["usage"])
+        else:
+            deltas = [e["data"]["choices"] for e in answer[:-1] if e["data"]["choices"]]
+            texts.append("".join(c[0]["delta"].get("content", "") for c in deltas))
+            usages.append(answer[-2]["data"]["usage"])
+            assert answer[-1]["data"] == "[DONE]"
+        assert texts[-1] == text
+        assert usages[-1]["prompt_tokens"] == len(context)
+        context += token_ids
+    assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages[1:]] == [
+        usages[0]["prompt_tokens"] + 6 - 1,
+        usages[1]["prompt_tokens"] + 6 - 1,
+    ]
+    ids = [[e["id"] for e in answer if e["id"] is not None] for answer in (answers[0], answers[2])]
+    assert ids == [list(range(6)), list(range(12, 18))]  # turn 2 had seqs 6-11
+    assert [e["id"] for e in replay if e["id"] is not None] == ids[1]
+
+
+async def test_session_requests_the_session_cannot_take_are_4xx(
+    engine, client, model_dir, redis_url, monkeypatch
+):
+    body = {"model": "llama", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    async with serving(engine, redis_url) as worker, two_apis(redis_url, model_dir) as (http, _):
+        await started(worker, redis_url)
+        chat = "/v1/chat/completions"
+        bad_id = await http.post(chat, json={**body, "session_id": "a b"})
+        assert "'session_id' must be" in assert_error(bad_id, 400, "session_id")["message"]
+        wide = await http.post(chat, json={**body, "session_id": "x", "n": 2})
+        assert "'session_id' takes n=1" in assert_error(wide, 400, "n")["message"]
+        plain = await http.post(chat, json=body)
+        not_one = await http.post(chat, json={**body, "session_id": plain.json()["id"]})
+        assert "not a session" in assert_error(not_one, 409, "session_id")["message"]
+        hold_steps(engine, monkeypatch, ["held"], free_steps=1)
+        sampling = dict(max_tokens=4, **GREEDY)
+        held = GenerateRequest("held", prompt="Hi", sampling=sampling, resumable=True)
+        await client.submit_turn(held)
+        await read_chunks(client.redis, "held", until_last=False)  # its first token
+        busy = await http.post(chat, json={**body, "session_id": "held"})
+        assert "still running" in assert_error(busy, 409, "session_id")["message"]
+        await client.abort("held")
+        await until_state(client.redis, "held", b"done")
+        closed = await http.post(chat, json={**body, "session_id": "held"})
+        assert "closed" in assert_error(closed, 409, "session_id")["message"]
