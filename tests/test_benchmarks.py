@@ -307,7 +307,7 @@ def test_sessions_counts_what_each_conversation_computes(tmp_path):
     args.output_len = 8
     turns = converse(args)
     assert [t["turn"] for t in turns] == [1, 2, 3]
-    for before, turn in zip(turns, turns[1:], strict=False):
+    for before, turn in itertools.pairwise(turns):
         history = before["session"]["context"] + args.output_len
         assert turn["session"]["prefill"] == turn["session"]["context"] - history + 1
     for turn in turns:
