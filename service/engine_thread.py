@@ -1,8 +1,9 @@
 """The thread that owns an `LLMEngine`: every engine call of a worker happens here.
 
 The asyncio side calls `add`, `abort` and `stop`; the thread drains its queue of commands,
-runs `engine.step()` while there is work, blocks on the queue when idle (no busy spin), and
-hands events back through `emit` (the worker wraps `loop.call_soon_threadsafe`):
+runs `engine.step()` while there is work, blocks on the queue when idle (no busy spin: it
+wakes once per `SESSION_TICK_S`, see below), and hands events back through `emit` (the
+worker wraps `loop.call_soon_threadsafe`):
 `StepOutputs` (a step's `RequestOutput` deltas), `RequestAborted`, `RequestFailed`. A request
 that fails a step alone (the engine undoes a failed step and isolates its cause:
 `RequestOutput.error`) fails by itself, dead-lettered, while its batch goes on; an exception
