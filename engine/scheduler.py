@@ -117,8 +117,12 @@ class Scheduler:
         the tokens both begin with: all the session computed, unless the history it is given
         was cut (a stop string inside a step's accepted drafts), and never `request`'s last
         token, whose logits are needed. A block the next tokens would write into is kept only
-        if it is the session's own (not in the prefix cache, so shared with no one)."""
+        if it is the session's own (not in the prefix cache, so shared with no one). A turn
+        asking for prompt logprobs keeps nothing: every position of its prompt needs logits,
+        as it takes no prefix-cache hit either."""
         limit = min(session.num_computed_tokens, request.num_tokens - 1)
+        if request.sampling_params.prompt_logprobs is not None:
+            limit = 0
         num_common = _num_common_tokens(
             session.all_token_ids[:limit], request.all_token_ids[:limit]
         )

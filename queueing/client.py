@@ -87,14 +87,16 @@ return math.max(1, tonumber(last[2]) - now)
 
 # A session's next turn: appended to the request stream only if it is the turn after the
 # last one submitted (the state's `turn`) and the session is not closed, in one step, so two
-# API processes cannot both submit a turn. Returns {1, last} when submitted, {0, last} when
-# `turn` is not the next one, {-1, last} when the session is closed.
+# API processes cannot both submit a turn. The readers of the turn before are forgotten (one
+# whose stream ended never left: it would pass for connected). Returns {1, last} when
+# submitted, {0, last} when `turn` is not the next one, {-1, last} when the session is closed.
 _SUBMIT_TURN = """
 local last = tonumber(redis.call('HGET', KEYS[1], 'turn') or '-1')
 if redis.call('HGET', KEYS[1], 'state') == 'done' then return {-1, last} end
 if tonumber(ARGV[1]) ~= last + 1 then return {0, last} end
 redis.call('HSET', KEYS[1], 'turn', ARGV[1])
 if redis.call('TTL', KEYS[1]) < tonumber(ARGV[3]) then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
+redis.call('DEL', KEYS[3])
 redis.call('XADD', KEYS[2], '*', 'data', ARGV[2])
 return {1, last}
 """
@@ -414,8 +416,9 @@ class KvrailClient:
         turn after the last one submitted; raises `SessionError` if not, or if the session is
         closed."""
         request.validate()
+        rid = request.request_id
         submitted, last = await self._submit_turn(
-            keys=[keys.request_state(request.request_id), keys.requests],
+            keys=[keys.request_state(rid), keys.requests, keys.readers(rid)],
             args=[request.turn, request.encode(), REQUEST_STATE_TTL_S],
         )
         if submitted == -1:

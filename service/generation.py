@@ -378,8 +378,12 @@ async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
     await state.client.save_sse_shape(
         parsed.request_id, shape.to_json(), state.settings.response_ttl_s
     )
-    reader = await state.readers.attach(shape.request_ids)
-    await _submit(state.client, generates)
+    if parsed.session_id is None:
+        reader = await state.readers.attach(shape.request_ids)
+        await _submit(state.client, generates)
+    else:  # a session's turn: submitting it forgets the last turn's readers, so marked after
+        await _submit(state.client, generates)
+        reader = await state.readers.attach(shape.request_ids)
     return event_stream(state, shape, [after_seq] * len(prompts), reader, knew_id=False)
 
 

@@ -119,6 +119,20 @@ def test_a_waiting_session_needs_no_step_and_closes_when_aborted(engine):
     assert_pool_free(engine)
 
 
+def test_a_turn_asking_for_prompt_logprobs_recomputes_its_whole_context(engine):
+    """Every position of its context needs logits: the session's KV is not taken over."""
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    engine.add_request("p", list(range(700, 740)), params, resumable=True)
+    context = list(range(700, 740)) + run_turn(engine, "p")[0] + [800, 801]
+    before = num_prefill_tokens(engine)
+    engine.add_request("p", [800, 801], SamplingParams(max_tokens=2, prompt_logprobs=0, **GREEDY))
+    [output] = [o for o in run_turn(engine, "p")[2] if o.prompt_logprobs is not None]
+    assert num_prefill_tokens(engine) - before == len(context)
+    assert len(output.prompt_logprobs) == len(context)
+    assert [next(iter(entry)) for entry in output.prompt_logprobs[1:]] == context[1:]
+    assert_pool_free(engine)
+
+
 def test_an_idle_session_is_closed_after_the_timeout(model_dir, reference):
     """Its blocks are freed and its closing reported; the id then starts a new request."""
     engine = LLMEngine.from_kwargs(model=model_dir, session_timeout_s=0.05, **ENGINE_KWARGS)
