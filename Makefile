@@ -56,6 +56,7 @@ bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks.quality --max-tokens 4096 --num-prompts 8
 	$(PY) -m benchmarks.spec_decode --rounds 1 --num-prompts 4 --max-tokens 64 \
 		--batch-requests 8 --input-len 64:256 --output-len 16:32
+	$(PY) -m benchmarks.sessions
 
 # On a CUDA machine, with its own python3 (no venv): kernels vs references, int8/fp8 linears,
 # parity vs HF, throughput, the fp8 KV cache and the quantized engine.

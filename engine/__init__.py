@@ -10,7 +10,11 @@ from engine.beam_search import (
     BeamSearchParams,
     BeamSearchSequence,
 )
-from engine.chat_template import apply_chat_template, chat_template_variables
+from engine.chat_template import (
+    apply_chat_continuation,
+    apply_chat_template,
+    chat_template_variables,
+)
 from engine.config import EngineConfig
 from engine.detokenizer import TokenBytes
 from engine.llm_engine import LLM, LLMEngine
@@ -55,6 +59,7 @@ __all__ = [
     "StructuredOutputsParams",
     "TokenBytes",
     "UnfinishedRequest",
+    "apply_chat_continuation",
     "apply_chat_template",
     "chat_template_variables",
     "load_tokenizer",

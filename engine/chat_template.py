@@ -12,6 +12,10 @@ default SmolLM2's ChatML is one) would drop them, so they are written in Hermes'
 instead, the one `service.tool_calls` parses back: the tools in a `<tools>` block of the
 system message, each earlier call as `<tool_call>{"name", "arguments"}</tool_call>` in its
 assistant message, each tool's answer in `<tool_response>` tags.
+
+A session's later turn (`apply_chat_continuation`) is templated as a continuation of the
+tokens so far: the end of the assistant's turn, then the new messages and the generation
+prompt, with the generated tokens left as they are (see its docstring).
 """
 
 from __future__ import annotations
@@ -73,6 +77,61 @@ def apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
     return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+# The stand-in answer whose end the template's end of an assistant turn follows.
+_ANSWER = "kvrail-session-answer"
+
+
+def apply_chat_continuation(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    history_token_ids: list[int],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    **template_kwargs: Any,
+) -> tuple[str, list[int]]:
+    """The prompt of a session's next turn, after `history_token_ids` (the conversation so
+    far, ending with the assistant's generated answer): what the template writes after an
+    assistant's answer (its end of turn: ChatML's `<|im_end|>\n`), then `messages` as it
+    renders them there, then the generation prompt. Options as `apply_chat_template`'s.
+
+    A template renders whole conversations, so this is the difference between two renders, of
+    a stand-in exchange (a user message, an assistant answer) and of the same followed by
+    `messages`; a template that does not render the first as the start of the second cannot
+    continue a conversation (`ValueError`). The history keeps its tokens: re-sent as text, the
+    answer would be tokenized again, and its last tokens and the turn boundary may come out
+    otherwise than generated. When the history already ends with the first tokens of the end
+    of turn (the model stopped on its end-of-turn token, SmolLM2's EOS `<|im_end|>`), they are
+    not written twice. Returns the continuation's text and token ids.
+    """
+    stand_in = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _ANSWER}]
+    options = dict(tools=tools, **template_kwargs)
+    before = apply_chat_template(tokenizer, stand_in, add_generation_prompt=False, **options)[0]
+    after = apply_chat_template(
+        tokenizer,
+        stand_in + messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        **options,
+    )[0]
+    if _ANSWER not in before or not after.startswith(before):
+        raise ValueError("this model's chat template cannot continue a conversation")
+    end_of_turn = before[before.index(_ANSWER) + len(_ANSWER) :]
+    token_ids = tokenizer.encode(end_of_turn + after[len(before) :], add_special_tokens=False)
+    num_end_ids = len(tokenizer.encode(end_of_turn, add_special_tokens=False))
+    overlap = next(
+        (
+            n
+            for n in range(min(num_end_ids, len(history_token_ids)), 0, -1)
+            if history_token_ids[-n:] == token_ids[:n]
+        ),
+        0,
+    )
+    token_ids = token_ids[overlap:]
+    return tokenizer.decode(token_ids), token_ids
 
 
 def hermes_messages(

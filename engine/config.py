@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -121,6 +122,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # >0: a prefill takes at most this many tokens a step
     max_waiting_requests: int = 4096  # add_request beyond this raises (overload is answered)
     scheduling_policy: str = "fcfs"  # see SCHEDULING_POLICIES
+    # A session waiting for its next chunk (`add_request(resumable=True)`) this long is closed
+    # and its KV blocks freed
+    session_timeout_s: float = 300.0
     # None = no speculative decoding; a dict is read as `SpeculativeConfig.from_dict`
     speculative_config: SpeculativeConfig | None = None
 
@@ -168,6 +172,13 @@ class EngineConfig:
             "scheduling_policy",
             f"must be one of {SCHEDULING_POLICIES}",
         )
+        check(
+            isinstance(self.session_timeout_s, int | float)
+            and not isinstance(self.session_timeout_s, bool)
+            and 0 < self.session_timeout_s < math.inf,
+            "session_timeout_s",
+            "must be a finite number of seconds > 0",
+        )
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
@@ -189,6 +200,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     max_waiting_requests: int = 4096
     policy: str = "fcfs"  # EngineConfig.scheduling_policy
+    session_timeout_s: float = 300.0  # EngineConfig.session_timeout_s
     num_speculative_tokens: int = 0  # drafts a request may carry into a step (0: none)
     # KV slots reserved past a step's tokens: the draft model writes its drafts' KV there
     num_lookahead_tokens: int = 0

@@ -71,6 +71,7 @@ class EngineCore:
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 max_waiting_requests=config.max_waiting_requests,
                 policy=config.scheduling_policy,
+                session_timeout_s=config.session_timeout_s,
                 num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                 num_lookahead_tokens=spec.num_speculative_tokens
                 if spec and spec.method == "draft_model"
@@ -106,6 +107,10 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Finish live requests as aborted; their blocks are free on return."""
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def close_idle_sessions(self) -> list[str]:
+        """Close the sessions idle past `session_timeout_s` (`Scheduler.close_idle_sessions`)."""
+        return self.scheduler.close_idle_sessions()
 
     def finish_requests_by_stop_string(self, stops: dict[str, str]) -> None:
         for req_id, stop in stops.items():

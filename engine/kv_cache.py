@@ -252,6 +252,22 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def truncate(self, request: Request, num_tokens: int) -> int:
+        """Keep the blocks of the request's id that hold its first `num_tokens` tokens and
+        free the rest, tail first; returns the tokens the kept blocks hold (a session's next
+        turn takes them over). A partly kept block is kept only while it has no hash: a
+        cached block may be shared, and the slots past `num_tokens` will be written."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_kept = min(len(blocks), -(-num_tokens // self.block_size))
+        if num_kept * self.block_size > num_tokens and blocks[num_kept - 1].block_hash is not None:
+            num_kept -= 1
+        self.block_pool.free_blocks(reversed(blocks[num_kept:]))
+        del blocks[num_kept:]
+        if request.request_id in self.num_cached_blocks:
+            num_cached = self.num_cached_blocks[request.request_id]
+            self.num_cached_blocks[request.request_id] = min(num_cached, num_kept)
+        return min(num_tokens, num_kept * self.block_size)
+
     def uncache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Take out of the prefix cache the request's blocks past its first
         `num_computed_tokens` tokens: `allocate_slots` caches blocks before the step's forward

@@ -4,6 +4,14 @@
 the prompt's KV blocks through the prefix cache, runs `EngineCore` steps, and turns token
 outputs into text with incremental detokenization and stop strings. A request with
 `BeamSearchParams` is a beam search (`engine/beam_search.py`), answered once it ends.
+
+A streaming-input session (`add_request(resumable=True)`) is one request fed in turns: when a
+turn ends, its history (prompts and outputs so far, as delivered) is kept here and its KV in
+the scheduler, and the next `add_request` with the same id is a request over the history plus
+its new prompt, which takes that KV over. So a turn generates what a fresh request over the
+whole history would (its detokenizer is primed from the history, `max_tokens` counts its own
+output), without recomputing the history: the prefix cache would reuse only its full blocks,
+and only those of a history re-sent token for token.
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ class ParentState:
     prompt_token_ids: list[int]
     children: dict[str, ChildState]  # child request id -> state
     num_cached_tokens: int = 0
+    resumable: bool = False  # a session's turn: when it ends, the session waits for the next
 
     @property
     def finished(self) -> bool:
@@ -96,6 +105,9 @@ class LLMEngine:
         self.parents: dict[str, ParentState] = {}
         self.beam_searches: dict[str, BeamSearchRequest] = {}
         self.child_to_parent: dict[str, str] = {}  # engine request id -> request id
+        # Sessions waiting for their next turn: request id -> the token ids of every turn so
+        # far (prompts and outputs as delivered), which the next turn's prompt follows
+        self.sessions: dict[str, list[int]] = {}
         logger.info("engine ready in %.1f s", time.perf_counter() - start)
 
     @classmethod
@@ -148,6 +160,7 @@ class LLMEngine:
         params: SamplingParams | BeamSearchParams,
         resume: Sequence[Sequence[int] | None] | None = None,
         priority: int = 0,
+        resumable: bool = False,
     ) -> None:
         """Validate and queue a request; with `n > 1`, its children share the prompt's KV.
         With `BeamSearchParams`, a beam search: its `beam_width` choices come in one final
@@ -155,6 +168,13 @@ class LLMEngine:
 
         `priority` (vLLM's): with `scheduling_policy="priority"`, lower values run first and
         are preempted last, ties by arrival; under "fcfs" only 0 is taken, as in vLLM.
+
+        `resumable` opens a session, or keeps it open: when this turn ends (its completion's
+        `finish_reason` set, `RequestOutput.finished` False) the request keeps its KV and
+        waits; `add_request` with the same id then appends `prompt` after everything so far
+        and continues with `params` (`resumable=False` closes the session when that turn
+        ends). A session continues one sequence: `n` must be 1, and a turn is not resumed.
+        An unknown id starts a new request; an id that is running is a `ValueError`.
 
         `resume` continues a request whose earlier output was delivered elsewhere (a worker
         died): per choice index, the tokens already emitted (recomputed, never emitted
@@ -168,6 +188,22 @@ class LLMEngine:
         """
         if request_id in self.parents or request_id in self.beam_searches:
             raise ValueError(f"request_id {request_id!r} is already running")
+        if not isinstance(resumable, bool):
+            raise ValueError(f"resumable must be a boolean, got {resumable!r}")
+        is_beam_search = isinstance(params, BeamSearchParams)
+        if resumable and is_beam_search:
+            raise ValueError("resumable: a beam search cannot be a session's turn")
+        if resumable and params.n != 1:
+            raise ValueError(
+                f"resumable takes n=1 (a session continues one sequence), got {params.n}"
+            )
+        history = self.sessions.get(request_id)
+        if history is not None and (resume is not None or is_beam_search):
+            raise ValueError(
+                f"request_id {request_id!r} is a session waiting for its next turn, which "
+                "continues it by sampling: resume is for a request whose earlier output went "
+                "elsewhere, and a beam search starts anew"
+            )
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority != 0 and self.config.scheduling_policy != "priority":
@@ -176,7 +212,7 @@ class LLMEngine:
                 "(scheduling_policy='priority')"
             )
         prompt_text, prompt_token_ids = self.tokenize_prompt(prompt)
-        if isinstance(params, BeamSearchParams):
+        if is_beam_search:
             if resume is not None and any(emitted != [] for emitted in resume):
                 # Its choices are emitted only when it ends: nothing to resume from.
                 raise ValueError("resume: a beam search can only restart (nothing emitted)")
@@ -191,6 +227,9 @@ class LLMEngine:
                 priority,
             )
             return
+        if history is not None:
+            prompt_token_ids = history + prompt_token_ids
+            check_prompt_len(len(prompt_token_ids), self.max_model_len)
         if resume is not None and len(resume) != params.n:
             raise ValueError(f"resume needs one entry per choice ({params.n})")
         if resume is not None:
@@ -236,24 +275,32 @@ class LLMEngine:
                         self.tokenizer.eos_token_id,
                         num_resumed_tokens=len(child.resumed_token_ids),
                         priority=priority,
+                        resumable=resumable,
                     )
                 )
                 added.append(child_id)
         except Exception:
             self.engine_core.abort_requests(added)
             raise
-        self.parents[request_id] = ParentState(request_id, prompt_text, prompt_token_ids, children)
+        self.sessions.pop(request_id, None)
+        self.parents[request_id] = ParentState(
+            request_id, prompt_text, prompt_token_ids, children, resumable=resumable
+        )
         for child_id in children:
             self.child_to_parent[child_id] = request_id
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Abort requests (by the id given to `add_request`); their KV is freed now."""
+        """Abort requests (by the id given to `add_request`), or close waiting sessions;
+        their KV is freed now."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
             search = self.beam_searches.pop(request_id, None)
             if search is not None:
                 search.abort()
+            if self.sessions.pop(request_id, None) is not None:
+                self.engine_core.abort_requests([request_id])
+                continue
             parent = self.parents.pop(request_id, None)
             if parent is None:
                 continue
@@ -262,10 +309,15 @@ class LLMEngine:
                 del self.child_to_parent[child_id]
 
     def abort_all(self) -> list[str]:
-        """Abort every unfinished request; returns their ids."""
-        request_ids = [*self.parents, *self.beam_searches]
+        """Abort every unfinished request and close every waiting session; returns their ids."""
+        request_ids = [*self.parents, *self.beam_searches, *self.sessions]
         self.abort_request(request_ids)
         return request_ids
+
+    def get_session_token_ids(self, request_id: str) -> list[int] | None:
+        """The token ids of every turn so far of a session waiting for its next turn (what
+        that turn's prompt follows); None if `request_id` is not one."""
+        return self.sessions.get(request_id)
 
     def get_unfinished_request(self, request_id: str) -> UnfinishedRequest | None:
         """The request's prompt length and its choices still generating; None once it has
@@ -289,7 +341,11 @@ class LLMEngine:
         `error`, its other choices aborted; the rest of the batch goes on. An exception
         raised here is one the core could not undo.
         """
-        outputs: list[RequestOutput] = []
+        outputs = [
+            RequestOutput(request_id, None, self.sessions.pop(request_id), [], finished=True)
+            for request_id in self.engine_core.close_idle_sessions()
+            if request_id in self.sessions
+        ]
         deltas: dict[str, list[CompletionOutput]] = {}
         prompt_logprobs: dict[str, list[dict[int, Logprob] | None]] = {}
         stops: dict[str, str] = {}
@@ -341,7 +397,7 @@ class LLMEngine:
                     prompt=parent.prompt,
                     prompt_token_ids=parent.prompt_token_ids,
                     outputs=completions,
-                    finished=finished,
+                    finished=finished and not parent.resumable,
                     num_cached_tokens=parent.num_cached_tokens,
                     prompt_logprobs=prompt_logprobs.get(parent_id),
                 )
@@ -350,6 +406,10 @@ class LLMEngine:
                 del self.parents[parent_id]
                 for child_id in parent.children:
                     del self.child_to_parent[child_id]
+                if parent.resumable:  # one child: n is 1
+                    [child] = parent.children.values()
+                    history = parent.prompt_token_ids + child.resumed_token_ids + child.token_ids
+                    self.sessions[parent_id] = history
         return outputs
 
     def _process_output(
@@ -396,6 +456,8 @@ class LLMEngine:
         return result
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a request is running or waiting to run (a session waiting for its next
+        turn is not: it needs no step)."""
         return bool(self.parents or self.beam_searches)
 
     def get_stats(self) -> EngineStats:

@@ -120,7 +120,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's outputs: cumulative from `LLM.generate`, deltas from `LLMEngine.step`."""
+    """A request's outputs: cumulative from `LLM.generate`, deltas from `LLMEngine.step`.
+
+    A session's turn (`LLMEngine.add_request(resumable=True)`) ends with `finish_reason` set
+    on its completion while `finished` stays False: the session waits for its next turn; its
+    `prompt_token_ids` are the turn's whole context (every earlier turn's prompt and output,
+    then its own prompt). A session closed while waiting (idle past `session_timeout_s`) is
+    reported once, `finished` with no `outputs`.
+    """
 
     request_id: str
     prompt: str | None
@@ -157,6 +164,9 @@ class EngineStats:
     num_preemptions: int  # since start
     prefix_cache_queries: int  # tokens looked up, since start
     prefix_cache_hits: int  # tokens found, since start
+    # Prompt tokens computed, since start: those found in the prefix cache or kept by a
+    # session for its next turn are not (a session's turn's prompt is its whole history)
+    num_prefill_tokens: int = 0
     # Speculative decoding, since start (vLLM's `SpecDecodingStats`): verification rounds,
     # draft tokens verified, of those accepted, and accepted per draft position [k].
     spec_decode_num_drafts: int = 0

@@ -256,6 +256,8 @@ class FinishReason(enum.StrEnum):
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_FSM = enum.auto()  # waiting, its grammar still compiling (structured outputs)
+    # A session's turn has ended: its KV is kept until the next chunk (or it is closed)
+    WAITING_FOR_INPUT = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after PREEMPTED is finished.
@@ -289,6 +291,9 @@ class Request:
     `keep_blocks`: once finished (not aborted), the request keeps its KV blocks for the
     requests forked from it (a beam search's next beams, `Scheduler.fork_request`) until
     `Scheduler.release_blocks`.
+    `resumable`: a session's turn (`LLMEngine.add_request(resumable=True)`): when it ends, the
+    scheduler keeps its KV blocks and it waits for input (`WAITING_FOR_INPUT`); the next turn
+    is a new `Request` over the whole history that takes those blocks over.
     """
 
     def __init__(
@@ -300,10 +305,13 @@ class Request:
         num_resumed_tokens: int = 0,
         priority: int = 0,
         keep_blocks: bool = False,
+        resumable: bool = False,
     ) -> None:
         self.request_id = request_id
         self.priority = priority
         self.keep_blocks = keep_blocks
+        self.resumable = resumable
+        self.waiting_since = 0.0  # time.monotonic() when its turn ended (WAITING_FOR_INPUT)
         self.arrival_order = 0  # set by `Scheduler.add_request`
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

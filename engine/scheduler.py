@@ -26,24 +26,32 @@ requests it outranks preempts the lowest of them for its seat (vLLM v0's priorit
 preemption; v1 makes it wait for the next seat to free). Equal priorities never preempt each
 other and are served first come, first served, so none of them starves.
 
-Beam search (`engine/beam_search.py`) forks requests: a finished request marked `keep_blocks`
-keeps its KV blocks (`held_requests`), and each request forked from it (`fork_request`)
-shares them by reference count and waits, holding them, as a new request until admitted;
-then `release_blocks` lets the parent's go. Blocks held so never stall the others: when the
-pool is short, the held requests' blocks are freed first (their forks recompute what they
-would have shared), and a waiting request that cannot get its slots while nothing runs makes
-the waiting forks give theirs up, as no running request would ever free any.
+A finished request may keep its KV blocks (`kept`, out of both queues) for the requests that
+continue it, and two kinds do:
+- a streaming-input session (vLLM's WAITING_FOR_INPUT): a resumable request whose turn ends
+  waits there, and its next turn, a new request over the whole history, takes its blocks
+  over for the tokens both begin with, so only the new tokens (and the last sampled one, whose
+  KV was never written) are computed; one idle past `session_timeout_s` is closed;
+- a beam search's beam (`engine/beam_search.py`, `Request.keep_blocks`): each request forked
+  from it (`fork_request`) shares its blocks by reference count and waits, holding them, as a
+  new request until admitted; then `release_blocks` lets the parent's go.
+Kept blocks never stall the live requests: under KV pressure they go first, the request kept
+longest first, before any running request is preempted; its continuation recomputes them
+(the prefix cache still finds the full blocks nobody reused). A waiting request that cannot
+get its slots while nothing runs makes the waiting forks give theirs up, as no running
+request would ever free any.
 """
 
 from __future__ import annotations
 
+import time
 from bisect import insort
 from collections import deque
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Sequence
 from operator import attrgetter
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.kv_cache import KVCacheManager
+from engine.kv_cache import KVCacheBlock, KVCacheManager
 from engine.outputs import (
     CachedRequestData,
     EngineCoreOutput,
@@ -79,18 +87,21 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         # In admission order (fcfs) or `_PRIORITY_ORDER`: the last is preempted first.
         self.running: list[Request] = []
+        # Finished requests keeping their blocks (sessions, beam parents), in the order they
+        # finished: the first is evicted first under KV pressure (a session times out first).
+        self.kept: dict[str, Request] = {}
         self.num_arrivals = 0
         self.finished_req_ids: set[str] = set()  # since the last schedule()
-        # Finished requests keeping their blocks for forks (`Request.keep_blocks`)
-        self.held_requests: dict[str, Request] = {}
         self.num_structured_output_reqs = 0  # live requests with a grammar
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # prompt tokens computed (not found in the cache or kept)
         k = scheduler_config.num_speculative_tokens
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * k
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request. The caller validated it; ids must be unique among live requests."""
+        """Queue a new request, or the next turn of the session of its id (see `_take_over`).
+        The caller validated it; ids must be unique among live requests."""
         check_prompt_len(request.num_prompt_tokens, self.config.max_model_len)
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
@@ -98,11 +109,65 @@ class Scheduler:
             raise OverflowError(
                 f"waiting queue is full ({self.config.max_waiting_requests} requests)"
             )
+        session = self.kept.get(request.request_id)
+        if session is not None and session.resumable:
+            self._take_over(self.kept.pop(request.request_id), request)
         request.arrival_order = self.num_arrivals
         self.num_arrivals += 1
         self.requests[request.request_id] = request
         self._enqueue(self.waiting, request)
         self.num_structured_output_reqs += request.use_structured_output
+
+    def _take_over(self, session: Request, request: Request) -> None:
+        """`request`, a session's next turn over its whole history, keeps the session's KV for
+        the tokens both begin with: all the session computed, unless the history it is given
+        was cut (a stop string inside a step's accepted drafts), and never `request`'s last
+        token, whose logits are needed. A block the next tokens would write into is kept only
+        if it is the session's own (not in the prefix cache, so shared with no one). A turn
+        asking for prompt logprobs keeps nothing: every position of its prompt needs logits,
+        as it takes no prefix-cache hit either."""
+        limit = min(session.num_computed_tokens, request.num_tokens - 1)
+        if request.sampling_params.prompt_logprobs is not None:
+            limit = 0
+        num_common = _num_common_tokens(
+            session.all_token_ids[:limit], request.all_token_ids[:limit]
+        )
+        request.num_computed_tokens = self.kv_cache_manager.truncate(request, num_common)
+        request.block_hashes = session.block_hashes[: num_common // self.block_size]
+
+    def close_idle_sessions(self) -> list[str]:
+        """Close the sessions waiting for input longer than `session_timeout_s`, freeing
+        their blocks; returns their ids."""
+        deadline = time.monotonic() - self.config.session_timeout_s
+        closed = []
+        sessions = [r for r in self.kept.values() if r.resumable]  # as they began waiting
+        for session in sessions:
+            if session.waiting_since > deadline:
+                break
+            del self.kept[session.request_id]
+            self.kv_cache_manager.free(session)
+            closed.append(session.request_id)
+        return closed
+
+    def _allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[KVCacheBlock] | None:
+        """`KVCacheManager.allocate_slots`, evicting the KV of kept requests (the one kept
+        longest first) while the pool has no room; None when there is none left to evict."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, computed_blocks, self._lookahead(request)
+            )
+            if new_blocks is not None:
+                return new_blocks
+            kept = next((r for r in self.kept.values() if r.num_computed_tokens), None)
+            if kept is None:
+                return None
+            self.kv_cache_manager.free(kept)
+            kept.num_computed_tokens = 0  # its continuation recomputes it
 
     def schedule(self, request_ids: Container[str] | None = None) -> SchedulerOutput:
         """Spend this step's `token_budget`; see the module docstring. Mutates request state.
@@ -179,8 +244,8 @@ class Scheduler:
                         fork.num_computed_tokens = 0
                 break
             request.num_computed_tokens += num_hit_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:  # hits, and a session's turn the KV it kept
+                request.num_cached_tokens = request.num_computed_tokens
             if request.status == RequestStatus.PREEMPTED:
                 resumed_reqs.append(request)
             else:
@@ -198,7 +263,11 @@ class Scheduler:
         output.blocks_to_copy, kv.blocks_to_copy = kv.blocks_to_copy, []
         # Counters advance now: the next schedule() sees this step's tokens as computed.
         for req_id, num_tokens in num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            num_computed = request.num_computed_tokens
+            prompt_end = min(num_computed + num_tokens, request.num_prompt_tokens)
+            self.num_prefill_tokens += max(0, prompt_end - num_computed)
+            request.num_computed_tokens += num_tokens
         if self.num_structured_output_reqs:
             self._fill_grammar_bitmask(output)
         self.finished_req_ids = set()
@@ -221,26 +290,14 @@ class Scheduler:
         if rows:
             output.grammar_bitmask = grammar_bitmask(rows)
 
-    def _allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks=()):
-        """`KVCacheManager.allocate_slots`; when the pool is short, the blocks held for forks
-        are freed first (`held_requests`: their forks will recompute instead)."""
-        args = (request, num_new_tokens, computed_blocks, self._lookahead(request))
-        new_blocks = self.kv_cache_manager.allocate_slots(*args)
-        if new_blocks is None and any(r.num_computed_tokens for r in self.held_requests.values()):
-            for held in self.held_requests.values():
-                self.kv_cache_manager.free(held)
-                held.num_computed_tokens = 0
-            new_blocks = self.kv_cache_manager.allocate_slots(*args)
-        return new_blocks
-
     def fork_request(self, parent_id: str, child: Request) -> None:
         """Queue `child`, which continues `parent_id`, a finished request that kept its blocks
-        (`held_requests`): the child's tokens extend the parent's computed ones, whose blocks
+        (`Request.keep_blocks`): the child's tokens extend the parent's computed ones, whose blocks
         it shares (`KVCacheManager.fork`) instead of computing them again. It waits at the head
         of the queue (under priority, at the parent's place) as a new request: the model runner
         gets its block table whole, copies on write included, when it is admitted."""
-        parent = self.held_requests.get(parent_id)
-        if parent is None:
+        parent = self.kept.get(parent_id)
+        if parent is None or not parent.keep_blocks:
             raise ValueError(f"request {parent_id!r} is not a finished request keeping its blocks")
         if child.request_id in self.requests:
             raise ValueError(f"request_id {child.request_id!r} is already running")
@@ -259,7 +316,7 @@ class Scheduler:
     def release_blocks(self, request_ids: Iterable[str]) -> None:
         """Free the blocks that these finished requests kept for their forks."""
         for req_id in request_ids:
-            request = self.held_requests.pop(req_id, None)
+            request = self.kept.pop(req_id, None)
             if request is not None:
                 self.kv_cache_manager.free(request)
 
@@ -478,9 +535,15 @@ class Scheduler:
         finished_status: RequestStatus,
         stop_reason: int | str | None = None,
     ) -> list[str]:
-        """Finish live requests from outside a step (abort, stop string). Returns those found."""
+        """Finish live requests from outside a step (abort, stop string), or close waiting
+        sessions (abort). Returns those found."""
         found = []
         for req_id in request_ids:
+            session = self.kept.get(req_id)
+            if session is not None and session.resumable:
+                self.kv_cache_manager.free(self.kept.pop(req_id))
+                found.append(req_id)
+                continue
             request = self.requests.get(req_id)
             if request is None:
                 continue
@@ -495,15 +558,23 @@ class Scheduler:
         return found
 
     def _free_request(self, request: Request) -> None:
+        """A finished request leaves; the runner forgets it. One that ended (not aborted) as
+        a session's turn or a beam keeps its blocks in `kept`: a session waits for input there,
+        and its next turn is a new request to the runner."""
         if request in self.running:
             self.running.remove(request)
-        if request.keep_blocks and request.status != RequestStatus.FINISHED_ABORTED:
-            self.held_requests[request.request_id] = request  # until `release_blocks`
-        else:
-            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         self.num_structured_output_reqs -= request.use_structured_output
+        aborted = request.status == RequestStatus.FINISHED_ABORTED
+        if aborted or not (request.resumable or request.keep_blocks):
+            self.kv_cache_manager.free(request)
+            return
+        if request.resumable:
+            request.status = RequestStatus.WAITING_FOR_INPUT
+            request.spec_token_ids = []
+            request.waiting_since = time.monotonic()
+        self.kept[request.request_id] = request  # a beam's until `release_blocks`
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -519,8 +590,16 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            num_prefill_tokens=self.num_prefill_tokens,
             spec_decode_num_drafts=self.num_drafts,
             spec_decode_num_draft_tokens=self.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos),
         )
+
+
+def _num_common_tokens(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists of one length."""
+    if a == b:  # the usual case, at C speed
+        return len(a)
+    return next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)

@@ -24,12 +24,22 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
 
-from queueing.schema import Abort, GenerateRequest, SchemaError, TokenChunk, WorkerInfo, keys
-from queueing.streams import connect
+from queueing.schema import (
+    Abort,
+    GenerateRequest,
+    SchemaError,
+    SessionHistory,
+    TokenChunk,
+    WorkerInfo,
+    keys,
+    session_history,
+)
+from queueing.streams import connect, read_response
 
 logger = logging.getLogger("kvrail.client")
 
@@ -60,10 +70,12 @@ end
 redis.call('ZADD', KEYS[1], score, ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 """
-# -1: nothing to decide (the request is done, or a reader is connected: it decides when it
-# leaves); 0: no reader left and none due back; n > 0: ms until the last one's grace ends.
+# -1: nothing to decide (the request is done or a session waits between turns, or a reader
+# is connected: it decides when it leaves); 0: no reader left and none due back; n > 0: ms
+# until the last one's grace ends.
 _UNREAD_IN = """
-if redis.call('HGET', KEYS[2], 'state') == 'done' then return -1 end
+local state = redis.call('HGET', KEYS[2], 'state')
+if state == 'done' or state == 'waiting' then return -1 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -71,6 +83,22 @@ local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
 if #last == 0 then return 0 end
 if last[2] == 'inf' then return -1 end
 return math.max(1, tonumber(last[2]) - now)
+"""
+
+# A session's next turn: appended to the request stream only if it is the turn after the
+# last one submitted (the state's `turn`) and the session is not closed, in one step, so two
+# API processes cannot both submit a turn. The readers of the turn before are forgotten (one
+# whose stream ended never left: it would pass for connected). Returns {1, last} when
+# submitted, {0, last} when `turn` is not the next one, {-1, last} when the session is closed.
+_SUBMIT_TURN = """
+local last = tonumber(redis.call('HGET', KEYS[1], 'turn') or '-1')
+if redis.call('HGET', KEYS[1], 'state') == 'done' then return {-1, last} end
+if tonumber(ARGV[1]) ~= last + 1 then return {0, last} end
+redis.call('HSET', KEYS[1], 'turn', ARGV[1])
+if redis.call('TTL', KEYS[1]) < tonumber(ARGV[3]) then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
+redis.call('DEL', KEYS[3])
+redis.call('XADD', KEYS[2], '*', 'data', ARGV[2])
+return {1, last}
 """
 
 StreamId = tuple[int, int]
@@ -84,6 +112,11 @@ class SeqGapError(StreamError):
     """A chunk arrived whose `seq` skips one or more chunks: some output was lost."""
 
 
+class SessionError(ValueError):
+    """A turn a session cannot take: it is closed, its last turn is still running, or the
+    turn is not its next one."""
+
+
 class StreamTimeout(StreamError):
     """No chunk arrived within the timeout."""
 
@@ -94,21 +127,24 @@ class RedisDataLost(StreamError):
 
 
 class SeqTracker:
-    """Orders one request's chunks: drops repeats, raises on gaps, notices the end."""
+    """Orders one request's chunks: drops repeats, raises on gaps, notices the end (of a
+    session's stream: the end of `turn`)."""
 
-    def __init__(self, request_id: str, after_seq: int = -1) -> None:
+    def __init__(self, request_id: str, after_seq: int = -1, turn: int = 0) -> None:
         self.request_id = request_id
         self.next_seq = after_seq + 1
+        self.turn = turn
         self.finished = False
 
     def accept(self, chunk: TokenChunk) -> bool:
         """True when `chunk` is the next one to hand out; False for a repeat.
 
         A repeated final chunk still marks the stream finished: a reader resuming after the
-        last chunk it saw has nothing left to wait for.
+        last chunk it saw has nothing left to wait for. A session's earlier turn ended
+        before this one began: its final chunk does not.
         """
         if chunk.seq < self.next_seq:
-            self.finished = self.finished or chunk.is_last
+            self.finished = self.finished or (chunk.is_last and chunk.turn >= self.turn)
             return False
         if chunk.seq > self.next_seq:
             raise SeqGapError(
@@ -281,6 +317,7 @@ class ResponseReader:
 
 class KvrailClient:
     """Asyncio producer client: `submit`, `stream`, `abort`, `workers`, `backlog`, `ping`,
+    sessions (`session`, and under it `session_history`, `submit_turn`),
     the SSE shape of a streaming request (`save_sse_shape`, `sse_shape`) and who reads it
     (`hold_reader`, `unread_in`).
 
@@ -313,6 +350,7 @@ class KvrailClient:
         self.chunk_timeout_s = chunk_timeout_s
         self._hold_reader = self.redis.register_script(_HOLD_READER)
         self._unread_in = self.redis.register_script(_UNREAD_IN)
+        self._submit_turn = self.redis.register_script(_SUBMIT_TURN)
 
     async def __aenter__(self) -> KvrailClient:
         self.reader.start()
@@ -341,16 +379,18 @@ class KvrailClient:
         *,
         reply_to: str | None = None,
         timeout_s: float | None = None,
+        turn: int = 0,
     ) -> AsyncIterator[TokenChunk]:
         """Yield the chunks of `request_id` after `after_seq`, in seq order, once each.
 
         Ends after the final chunk (or at once when the final chunk is at or before
-        `after_seq`). Raises `SeqGapError` on a missing seq, `StreamTimeout` when no chunk
-        arrives within `timeout_s` (default: the client's), `SchemaError` on a bad entry.
+        `after_seq`); of a session, after the final chunk of `turn`. Raises `SeqGapError` on
+        a missing seq, `StreamTimeout` when no chunk arrives within `timeout_s` (default: the
+        client's), `SchemaError` on a bad entry.
         """
         timeout_s = self.chunk_timeout_s if timeout_s is None else timeout_s
         sub = await self.reader.subscribe(reply_to or keys.response(request_id))
-        tracker = SeqTracker(request_id, after_seq)
+        tracker = SeqTracker(request_id, after_seq, turn)
         try:
             while not tracker.finished:
                 try:
@@ -365,6 +405,33 @@ class KvrailClient:
                     yield item
         finally:
             self.reader.unsubscribe(sub)
+
+    async def session_history(self, session_id: str) -> SessionHistory:
+        """What the session's response stream holds (`queueing.schema.session_history`);
+        raises SchemaError for a stream that is not a session's."""
+        return session_history(await read_response(self.redis, keys.response(session_id)))
+
+    async def submit_turn(self, request: GenerateRequest) -> None:
+        """Validate and submit a session's turn (`GenerateRequest.turn`), only if it is the
+        turn after the last one submitted; raises `SessionError` if not, or if the session is
+        closed."""
+        request.validate()
+        rid = request.request_id
+        submitted, last = await self._submit_turn(
+            keys=[keys.request_state(rid), keys.requests, keys.readers(rid)],
+            args=[request.turn, request.encode(), REQUEST_STATE_TTL_S],
+        )
+        if submitted == -1:
+            raise SessionError(f"session {request.request_id!r} is closed")
+        if not submitted:
+            raise SessionError(
+                f"turn {request.turn} is not the next turn of session {request.request_id!r}: "
+                f"the last one submitted is {last}"
+            )
+
+    def session(self, session_id: str) -> Session:
+        """A streaming-input session (new, or begun by any client) to send turns to."""
+        return Session(self, session_id)
 
     async def save_sse_shape(self, request_id: str, shape: str, ttl_s: int) -> None:
         """Keep how `request_id`'s SSE response is shaped (JSON), for a client resuming it."""
@@ -439,6 +506,51 @@ class KvrailClient:
             keys.requests, min=b"(" + last_delivered_id, count=_BACKLOG_COUNT_CAP
         )
         return len(entries)
+
+
+class Session:
+    """One streaming-input session (`KvrailClient.session`): `send` submits its next turn and
+    yields that turn's chunks, numbered on from the turns before (one `seq` sequence). Its
+    state is Redis's (the turns' chunks), read at each turn, so any client may continue it."""
+
+    def __init__(self, client: KvrailClient, session_id: str) -> None:
+        self.client = client
+        self.session_id = session_id
+
+    async def send(
+        self,
+        *,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        sampling: dict[str, Any] | None = None,
+        resumable: bool = True,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[TokenChunk]:
+        """Send the next turn and yield its chunks until its last. Its prompt follows
+        everything so far (`messages`: the new ones only, templated by the worker as a
+        continuation); `resumable=False` closes the session once this turn ends. Raises
+        `SessionError` when the session cannot take a turn now."""
+        history = await self.client.session_history(self.session_id)
+        if history.failed:
+            raise SessionError(f"session {self.session_id!r} is closed")
+        if not history.ended:
+            raise SessionError(f"turn {history.num_turns - 1} of {self.session_id!r} is running")
+        request = GenerateRequest(
+            self.session_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            messages=messages,
+            sampling=sampling or {},
+            turn=history.num_turns,
+            resumable=resumable,
+        )
+        await self.client.submit_turn(request)
+        turns = self.client.stream(
+            self.session_id, history.last_seq, timeout_s=timeout_s, turn=request.turn
+        )
+        async for chunk in turns:
+            yield chunk
 
 
 def _decode_workers(values: list[bytes | None]) -> list[WorkerInfo]:

@@ -34,6 +34,7 @@ MAX_PROMPT_TOKENS = 1 << 17
 MAX_MESSAGES = 1024
 MAX_ID_LEN = 128
 MAX_PRIORITY = 2**31 - 1  # |priority| at most this: room for any order, within the wire's ints
+MAX_TURN = 2**31 - 1  # a session's turns are numbered 0.. within the wire's ints
 NAMESPACE = "kvrail:"
 
 
@@ -207,7 +208,7 @@ def _added_later(default: Any) -> Any:
     return field(default=default, metadata={"added_later": True})
 
 
-def _check_id(value: str, name: str) -> None:
+def check_id(value: str, name: str) -> None:
     if not 0 < len(value) <= MAX_ID_LEN or not value.isprintable() or " " in value:
         raise SchemaError(f"{name} must be 1..{MAX_ID_LEN} printable characters without spaces")
 
@@ -228,10 +229,19 @@ class GenerateRequest(_Message):
     priority: int = _added_later(0)
     # A beam search instead of sampling (then `sampling` is empty): `BeamSearchParams` fields
     beam_search: dict[str, Any] | None = _added_later(None)  # noqa: RUF009 - a field()
+    # A streaming-input session (`LLMEngine.add_request(resumable=True)`): turn 0 opens it,
+    # turn k + 1 (same request_id, once turn k has ended) continues it after everything so
+    # far; `resumable` false on a turn closes the session when that turn ends
+    turn: int = _added_later(0)
+    resumable: bool = _added_later(False)
 
     def validate(self) -> None:
-        _check_id(self.request_id, "request_id")
+        check_id(self.request_id, "request_id")
         check_priority(self.priority)
+        if not 0 <= self.turn <= MAX_TURN:
+            raise SchemaError(f"turn must be in [0, {MAX_TURN}]")
+        if self.is_session and self.reply_to is not None:
+            raise SchemaError("a session's turns answer on its own stream: reply_to must be unset")
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
         if sum(given) != 1:
             raise SchemaError("exactly one of prompt, prompt_token_ids, messages is required")
@@ -256,6 +266,8 @@ class GenerateRequest(_Message):
         if self.beam_search is not None:
             if self.sampling:
                 raise SchemaError("beam_search cannot be combined with sampling fields")
+            if self.is_session:
+                raise SchemaError("beam_search cannot be a session's turn (turn, resumable)")
             _check_fields("beam_search field", self.beam_search, BEAM_SEARCH_FIELDS)
             for name in _required(BeamSearchParams):
                 if name not in self.beam_search:
@@ -267,6 +279,11 @@ class GenerateRequest(_Message):
     def response_key(self) -> str:
         return self.reply_to or keys.response(self.request_id)
 
+    @property
+    def is_session(self) -> bool:
+        """A turn of a session: one that opens it, continues it or closes it."""
+        return self.resumable or self.turn > 0
+
 
 @dataclass
 class TokenChunk(_Message):
@@ -275,6 +292,10 @@ class TokenChunk(_Message):
     `seq` starts at 0 and grows by one per chunk of the request (across its `n` choices), so a
     reader drops repeats and notices gaps. A choice ends with a chunk carrying `finish_reason`;
     the last chunk of the request carries `usage`. An `error` chunk ends the request.
+
+    A session's turns share one stream and one `seq` sequence; each turn's chunks carry its
+    `turn`, its last one its usage, and its first one the turn's own prompt tokens, so the
+    stream holds the whole conversation in tokens (`session_history`).
     """
 
     request_id: str
@@ -294,11 +315,48 @@ class TokenChunk(_Message):
     # those found in the prefix cache)
     usage: dict[str, int] | None = None
     error: str | None = None
+    turn: int = _added_later(0)  # of a session
+    # a session turn's first chunk: the turn's own prompt
+    prompt_token_ids: list[int] | None = _added_later(None)  # noqa: RUF009 - a field()
 
     @property
     def is_last(self) -> bool:
-        """The request is complete after this chunk."""
+        """The request (a session: its turn) is complete after this chunk."""
         return self.usage is not None or self.error is not None
+
+
+@dataclass
+class SessionHistory:
+    """A session as its response stream holds it (`session_history`)."""
+
+    num_turns: int  # turns begun
+    ended: bool  # the last of them has ended (its last chunk is stored)
+    failed: bool  # a turn ended with an error or an abort: the session is over
+    token_ids: list[int]  # prompts and outputs of the ended turns: what the next turn follows
+    last_seq: int  # of the last chunk, -1 when none
+
+
+def session_history(chunks: list[TokenChunk]) -> SessionHistory:
+    """What a session's chunks (`kvrail:resp:{id}`, in seq order) say of it, up to a turn
+    that failed; raises SchemaError for chunks no session writes (turns out of order, a turn
+    whose first chunk lacks its prompt, a choice other than 0)."""
+    token_ids: list[int] = []
+    turn_ids: list[int] = []
+    turn, ended, failed = -1, True, False
+    for chunk in chunks:
+        if chunk.error is not None or chunk.finish_reason == "abort":
+            ended = failed = True
+            break
+        if chunk.turn != turn:
+            if chunk.turn != turn + 1 or not ended or chunk.prompt_token_ids is None:
+                raise SchemaError(f"the session's chunks are not in turns at seq {chunk.seq}")
+            turn, ended, turn_ids = chunk.turn, False, list(chunk.prompt_token_ids)
+        if chunk.index != 0:
+            raise SchemaError(f"a session has one choice; chunk {chunk.seq} is of {chunk.index}")
+        turn_ids += chunk.token_ids
+        if chunk.is_last:
+            ended, token_ids = True, token_ids + turn_ids
+    return SessionHistory(turn + 1, ended, failed, token_ids, chunks[-1].seq if chunks else -1)
 
 
 @dataclass
@@ -308,7 +366,7 @@ class Abort(_Message):
     request_id: str
 
     def validate(self) -> None:
-        _check_id(self.request_id, "request_id")
+        check_id(self.request_id, "request_id")
 
 
 @dataclass

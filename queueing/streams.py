@@ -257,9 +257,10 @@ async def read_response(r: aioredis.Redis, key: str, page: int = 1000) -> list[T
 
 
 async def own_request(
-    r: aioredis.Redis, request_id: str, entry_id: str, ttl_s: int
+    r: aioredis.Redis, request_id: str, entry_id: str, ttl_s: int, turn: int = 0
 ) -> tuple[str, bool]:
-    """Claim `request_id` for the stream entry `entry_id` unless another entry owns it.
+    """Claim `request_id` (a session's: its `turn`) for the stream entry `entry_id` unless
+    another entry owns it.
 
     Returns the owning entry id, `entry_id` itself when this entry is (or already was) the
     owner, e.g. when it is redelivered to resume, another id for a duplicate submission; and
@@ -267,13 +268,20 @@ async def own_request(
     an Abort broadcast before any worker held the request reaches nobody).
     """
     key = keys.request_state(request_id)
+    entry = "entry" if turn == 0 else f"entry:{turn}"
     pipe = r.pipeline(transaction=True)
-    pipe.hsetnx(key, "entry", entry_id)
+    pipe.hsetnx(key, entry, entry_id)
     pipe.hsetnx(key, "state", "running")
-    pipe.hmget(key, ["entry", "aborted"])
+    pipe.hmget(key, [entry, "aborted"])
     pipe.expire(key, ttl_s)
     _, _, (owner, aborted), _ = await pipe.execute()
     return owner.decode(), aborted is not None
+
+
+async def request_state(r: aioredis.Redis, request_id: str) -> str | None:
+    """The `state` of a request id (see `mark_done`); None when unknown."""
+    state = await r.hget(keys.request_state(request_id), "state")
+    return None if state is None else state.decode()
 
 
 async def renew_ttl(r: aioredis.Redis, names: list[str], ttl_s: int) -> None:
@@ -287,14 +295,16 @@ async def renew_ttl(r: aioredis.Redis, names: list[str], ttl_s: int) -> None:
 
 
 async def mark_done(
-    r: aioredis.Redis, request_ids: Iterable[str], ttl_s: int
+    r: aioredis.Redis, request_ids: Iterable[str], ttl_s: int, state: str = "done"
 ) -> dict[str, Exception]:
-    """Record that requests were answered in full (their final chunk is stored). Returns the
-    requests whose state key refused the mark (`execute_per_key`), with the error."""
+    """Record that requests were answered in full (their final chunk is stored): `state`
+    "done". A session's state is "running" while a turn is served, "waiting" between turns,
+    "done" once closed. Returns the requests whose state key refused the mark
+    (`execute_per_key`), with the error."""
     pipe = r.pipeline(transaction=True)
     marked: list[str] = []
     for request_id in request_ids:
-        pipe.hset(keys.request_state(request_id), "state", "done")
+        pipe.hset(keys.request_state(request_id), "state", state)
         pipe.expire(keys.request_state(request_id), ttl_s)
         marked += [request_id, request_id]
     if not marked:

@@ -37,6 +37,7 @@ ENGINE_OPTIONS = {
     "max_num_seqs": int,
     "max_waiting_requests": int,
     "scheduling_policy": str,
+    "session_timeout_s": float,
     "max_num_batched_tokens": int,
     "max_model_len": int,
     "num_kv_blocks": int,

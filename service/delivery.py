@@ -7,6 +7,12 @@ each choice's emitted tokens, the engine recomputes them, `seq` continues after 
 entry that will not be generated is rejected: an error chunk where there is a `Reply` to send
 it to, a dead letter when the entry itself is bad, or when it was delivered more often than
 `max_deliveries` (a worker lost with it each time: the entry is what brings them down).
+
+A session's turns are owned one by one (de-duplication per request id and turn) and share
+its response stream, which holds the whole conversation in tokens (each turn's first chunk
+carries the turn's prompt): a later turn reaches the engine with that history, so a worker
+that does not hold the session (it died, another worker served the turn before) recomputes
+it, and one that does continues it in place (`EngineThread`).
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ from queueing.schema import (
     MAX_MESSAGE_BYTES,
     GenerateRequest,
     SchemaError,
+    SessionHistory,
     TokenChunk,
     keys,
+    session_history,
     unpack_bounded,
 )
 from service import metrics
@@ -53,10 +61,14 @@ class Inflight:
     num_cached_tokens: int = 0  # prompt tokens the engine found in the prefix cache
     last_token_s: float | None = None  # None until the first token (or resumed)
     deadline_hit: bool = False
+    # A session's turn whose first chunk is still due, carrying the turn's prompt: the
+    # tokens of the history before it (None: not a session, or that chunk is stored)
+    num_history_tokens: int | None = None
 
     def chunk(self, **fields: object) -> TokenChunk:
-        """The next chunk of this request, numbered in order."""
-        chunk = TokenChunk(request_id=self.request.request_id, seq=self.next_seq, **fields)
+        """The next chunk of this request (of a session: of its turn), numbered in order."""
+        turn = self.request.turn
+        chunk = TokenChunk(self.request.request_id, self.next_seq, turn=turn, **fields)
         self.next_seq += 1
         return chunk
 
@@ -69,6 +81,7 @@ class Reply:
     request_id: str
     response_key: str
     seq: int
+    turn: int = 0  # of a session
 
 
 class Delivery:
@@ -137,8 +150,10 @@ class Delivery:
             await self._reject_undecodable(entry_id, data, str(e))
             return
         rid = request.request_id
-        rlog = log.bind(request_id=rid, entry_id=entry_id)
-        owner, aborted = await streams.own_request(self.r, rid, entry_id, self.response_ttl_s)
+        rlog = log.bind(request_id=rid, entry_id=entry_id, turn=request.turn)
+        owner, aborted = await streams.own_request(
+            self.r, rid, entry_id, self.response_ttl_s, request.turn
+        )
         if owner != entry_id:
             # Same id in another entry: that one is answered (or being answered) on the same
             # response stream, so this one is never generated twice.
@@ -148,11 +163,17 @@ class Delivery:
         key = request.response_key
         # A write retried after a lost reply can store a chunk twice: one per seq counts.
         chunks = list({c.seq: c for c in await streams.read_response(self.r, key)}.values())
-        if any(c.is_last for c in chunks):
+        mine = [c for c in chunks if c.turn == request.turn] if request.is_session else chunks
+        if any(c.is_last for c in mine):
             rlog.info("already answered in full")
-            self.publisher.put(Batch(acks=[entry_id], done=[rid]))
+            batch = Batch(acks=[entry_id])
+            if request.resumable and not session_history(chunks).failed:
+                batch.waiting.append(rid)  # the session waits for its next turn
+            else:
+                batch.done.append(rid)
+            self.publisher.put(batch)
             return
-        reply = Reply(rid, key, chunks[-1].seq + 1 if chunks else 0)
+        reply = Reply(rid, key, chunks[-1].seq + 1 if chunks else 0, request.turn)
         if deliveries > self.max_deliveries:
             # Each delivery after the first took a worker lost (or stopped) while it held the
             # entry, or an ingest that failed on it: past the limit, the entry is the cause
@@ -171,8 +192,25 @@ class Delivery:
             # The client aborted before any worker held the request (or its worker died).
             self.reject(entry_id, data, "aborted", reply, dead_letter=False)
             return
+        history = None
+        if request.is_session:
+            try:
+                session = session_history(chunks)
+            except SchemaError as e:
+                self.reject(entry_id, data, f"request_id {rid!r} is not a session: {e}", reply)
+                return
+            problem = _turn_problem(request, session, await streams.request_state(self.r, rid))
+            if problem is not None:
+                # No error chunk while a turn may still write to the stream.
+                self.reject(entry_id, data, problem, reply if session.ended else None)
+                return
+            if request.turn > 0:
+                await streams.mark_done(self.r, [rid], self.response_ttl_s, "running")
+            history = session.token_ids
         inflight = Inflight(entry_id, data, request, rlog, _entry_time(entry_id), reply.seq)
-        resume = _resume_state(chunks) if chunks else None
+        if request.is_session and not mine:
+            inflight.num_history_tokens = len(history)
+        resume = _resume_state(mine) if mine else None
         if resume is not None:
             inflight.completion_tokens = sum(len(t) for t in resume.token_ids.values())
             inflight.last_token_s = time.time()  # no time-to-first-token for a resumed request
@@ -181,7 +219,7 @@ class Delivery:
             queued_s = max(0.0, time.time() - inflight.enqueued_s)
             metrics.request_queue_time_seconds.labels(self.model_name).observe(queued_s)
         self.inflight[rid] = inflight
-        self.engine_thread.add(request, resume)
+        self.engine_thread.add(request, resume, history or None)
 
     def reject(
         self,
@@ -199,7 +237,9 @@ class Delivery:
         if dead_letter:
             batch.dead.append((entry_id, data, reason))
         if reply is not None:
-            error = TokenChunk(reply.request_id, reply.seq, finish_reason="error", error=reason)
+            error = TokenChunk(
+                reply.request_id, reply.seq, finish_reason="error", error=reason, turn=reply.turn
+            )
             batch.add_chunk(reply.response_key, error, entry_id, data)
             batch.done.append(reply.request_id)
         self.publisher.put(batch)
@@ -215,6 +255,23 @@ class Delivery:
                 key = keys.response(rid)
                 reply = Reply(rid, key, await self.r.xlen(key))
         self.reject(entry_id, data, reason, reply)
+
+
+def _turn_problem(
+    request: GenerateRequest, session: SessionHistory, state: str | None
+) -> str | None:
+    """Why a session's turn cannot be served now, if it cannot: the session is closed, or
+    the turn is not the next one (its own chunks, when stored, are of a turn to resume)."""
+    rid, turn = request.request_id, request.turn
+    if session.failed or (turn > 0 and state == "done"):
+        return f"session {rid!r} is closed"
+    if session.num_turns == turn + 1 and not session.ended:
+        return None  # this turn, begun by a worker that is gone: resume it
+    if session.num_turns == turn and session.ended:
+        return None
+    if not session.ended:
+        return f"turn {turn} of session {rid!r}: turn {session.num_turns - 1} has not ended"
+    return f"turn {turn} of session {rid!r} is not its next turn ({session.num_turns})"
 
 
 def _entry_time(entry_id: str) -> float:

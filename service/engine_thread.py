@@ -1,8 +1,9 @@
 """The thread that owns an `LLMEngine`: every engine call of a worker happens here.
 
 The asyncio side calls `add`, `abort` and `stop`; the thread drains its queue of commands,
-runs `engine.step()` while there is work, blocks on the queue when idle (no busy spin), and
-hands events back through `emit` (the worker wraps `loop.call_soon_threadsafe`):
+runs `engine.step()` while there is work, blocks on the queue when idle (no busy spin: it
+wakes once per `SESSION_TICK_S`, see below), and hands events back through `emit` (the
+worker wraps `loop.call_soon_threadsafe`):
 `StepOutputs` (a step's `RequestOutput` deltas), `RequestAborted`, `RequestFailed`. A request
 that fails a step alone (the engine undoes a failed step and isolates its cause:
 `RequestOutput.error`) fails by itself, dead-lettered, while its batch goes on; an exception
@@ -13,11 +14,19 @@ A request's prompt is tokenized (chat template included) on a tokenizer thread b
 engine sees it: on the engine thread, two 1M-character prompts stretched every running
 request's inter-token gap from 0.1 s to 2.4 s (issue 12). It uses only what `engine` exports:
 the worker never reaches into the engine's state.
+
+A session's later turn comes with its history as Redis holds it (`AddCommand.history`): when
+the engine holds the session with that very history, the turn continues it in place (its KV
+kept); otherwise (the engine never had it, closed it, or holds an older turn of it that
+another worker has since continued) a session the engine holds under that id is closed and the
+turn is a new request over the whole history, recomputed. While sessions wait, an idle thread
+still wakes every `SESSION_TICK_S` to step, so idle sessions are closed on time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import queue
@@ -33,11 +42,15 @@ from engine import (
     LLMEngine,
     RequestOutput,
     SamplingParams,
+    apply_chat_continuation,
     apply_chat_template,
 )
 from queueing.schema import GenerateRequest, check_prompt_logprobs_size
 
 logger = logging.getLogger("kvrail.worker.engine")
+# How often an idle engine thread steps anyway: the engine closes sessions idle past its
+# `session_timeout_s` in its steps.
+SESSION_TICK_S = 1.0
 
 
 @dataclass
@@ -56,6 +69,7 @@ class AddCommand:
     params: SamplingParams | BeamSearchParams  # the latter with `GenerateRequest.beam_search`
     prompt: dict[str, Any]  # {"prompt": text or None, "prompt_token_ids": [...]}
     resume: ResumeState | None = None
+    history: list[int] | None = None  # a session's later turn: every token of its turns so far
 
 
 @dataclass
@@ -120,12 +134,18 @@ class EngineThread(threading.Thread):
         self._lock = threading.Lock()  # `tokenizing`, and the commands queued as it changes
         self.tokenizing: dict[str, str | None] = {}
 
-    def add(self, request: GenerateRequest, resume: ResumeState | None = None) -> None:
+    def add(
+        self,
+        request: GenerateRequest,
+        resume: ResumeState | None = None,
+        history: list[int] | None = None,
+    ) -> None:
         """Thread-safe: tokenize the request's prompt on the tokenizer thread, then queue it
-        for the engine; a bad one comes back as `RequestFailed`."""
+        for the engine; a bad one comes back as `RequestFailed`. `history`: a session's later
+        turn, the tokens of its turns so far (its `messages` are templated after them)."""
         with self._lock:
             self.tokenizing[request.request_id] = None
-        self._tokenizer.submit(self._prepare, request, resume)
+        self._tokenizer.submit(self._prepare, request, resume, history)
 
     def abort(self, request_id: str, reason: str) -> None:
         """Thread-safe: abort a request given to `add` (`reason`: as `AbortCommand.reason`).
@@ -141,7 +161,9 @@ class EngineThread(threading.Thread):
         """Thread-safe: abort everything silently (entries stay pending) and end the thread."""
         self.inputs.put(_STOP)
 
-    def _prepare(self, request: GenerateRequest, resume: ResumeState | None) -> None:
+    def _prepare(
+        self, request: GenerateRequest, resume: ResumeState | None, history: list[int] | None
+    ) -> None:
         """On the tokenizer thread: every check that needs no engine state (sampling fields,
         then the prompt, then the size of its logprobs), then queue the request for `_add`."""
         rid = request.request_id
@@ -150,7 +172,10 @@ class EngineThread(threading.Thread):
                 params = BeamSearchParams(**request.beam_search)
             else:
                 params = SamplingParams(**request.sampling)
-            if request.messages is not None:
+            if request.messages is not None and history:
+                tokenizer, messages = self.engine.tokenizer, request.messages
+                prompt = apply_chat_continuation(tokenizer, messages, history)[1]
+            elif request.messages is not None:
                 prompt = apply_chat_template(self.engine.tokenizer, request.messages)[1]
             elif request.prompt_token_ids is not None:
                 prompt = request.prompt_token_ids
@@ -168,14 +193,17 @@ class EngineThread(threading.Thread):
         prompt = {"prompt": text, "prompt_token_ids": prompt_token_ids}
         with self._lock:
             reason = self.tokenizing.pop(rid)
-            self.inputs.put(AddCommand(request, params, prompt, resume))
+            self.inputs.put(AddCommand(request, params, prompt, resume, history))
             if reason is not None:
                 self.inputs.put(AbortCommand(rid, reason))
 
     def run(self) -> None:
         while True:
             # Block only when idle: with requests in flight, a step must not wait for input.
-            commands = [] if self.engine.has_unfinished_requests() else [self.inputs.get()]
+            commands = []
+            if not self.engine.has_unfinished_requests():
+                with contextlib.suppress(queue.Empty):
+                    commands.append(self.inputs.get(timeout=SESSION_TICK_S))
             while True:
                 try:
                     commands.append(self.inputs.get_nowait())
@@ -191,8 +219,7 @@ class EngineThread(threading.Thread):
                 event = self._handle(command)
                 if event is not None:
                     events.append(event)
-            if self.engine.has_unfinished_requests():
-                events.extend(self._step())
+            events.extend(self._step())  # with nothing to run, it only closes idle sessions
             # Snapshot before emitting: whoever sees an event then sees the blocks it freed.
             self.stats = self.engine.get_stats()
             for event in events:
@@ -226,12 +253,20 @@ class EngineThread(threading.Thread):
                     prompt_token_ids = command.prompt["prompt_token_ids"]
                     final = RequestOutput(request.request_id, None, prompt_token_ids, [], True)
                     return StepOutputs([final])
+            prompt, history = command.prompt, command.history
+            held = self.engine.get_session_token_ids(request.request_id)
+            if held is not None and (held != history or resume is not None):
+                self.engine.abort_request(request.request_id)  # a stale session: closed
+                held = None
+            if history is not None and held is None:  # recomputed: one request over it all
+                prompt = {**prompt, "prompt_token_ids": history + prompt["prompt_token_ids"]}
             self.engine.add_request(
                 request.request_id,
-                command.prompt,
+                prompt,
                 params,
                 resume=resume,
                 priority=request.priority,
+                resumable=request.resumable,
             )
         except (OverflowError, ValueError, TypeError) as e:
             return request_failed(request.request_id, e)
@@ -247,7 +282,9 @@ class EngineThread(threading.Thread):
             logger.exception("engine step failed")
             failed = self.engine.abort_all()
             return [RequestFailed(rid, f"engine error: {e}", dead_letter=True) for rid in failed]
-        served = [o for o in outputs if o.error is None]
+        # A session the engine closed while it waited (finished, no outputs): its last turn
+        # was answered in full, and the turn after it, if any, is recomputed.
+        served = [o for o in outputs if o.error is None and (o.outputs or not o.finished)]
         events: list[EngineEvent] = [StepOutputs(served)] if served else []
         return events + [
             RequestFailed(o.request_id, f"engine error: {o.error}", dead_letter=True)

@@ -7,6 +7,13 @@ is one engine request per prompt, their chunks merged as they come (`_merge`). A
 goes away before the last chunk has its engine requests aborted: at once when it waited for
 one JSON object, after `KVRAIL_RESUME_GRACE_S` when it read SSE, unless a reader came back by
 then (`Readers`). `ApiState` is what every handler shares.
+
+A chat request with `session_id` is the next turn of that streaming-input session: its
+history is read from the session's response stream (so any API process can serve any turn),
+its messages are templated after that history's tokens (`ChatTemplate.apply_continuation`),
+the turn is submitted only if it is the session's next (`KvrailClient.submit_turn`: 409
+otherwise) and answered from the chunks after the turns before. An aborted turn (the client
+gone) closes the session.
 """
 
 from __future__ import annotations
@@ -26,10 +33,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine import chat_template_variables
-from queueing.client import KvrailClient, RedisDataLost, StreamError, StreamTimeout
+from queueing.client import (
+    KvrailClient,
+    RedisDataLost,
+    SessionError,
+    StreamError,
+    StreamTimeout,
+)
 from queueing.schema import (
     GenerateRequest,
     SchemaError,
+    SessionHistory,
     TokenChunk,
     WorkerInfo,
     check_prompt_logprobs_size,
@@ -221,7 +235,10 @@ def _too_large(max_bytes: int) -> ApiError:
     return ApiError(413, f"The body exceeds {max_bytes} bytes", code="request_too_large")
 
 
-async def _tokenize(state: ApiState, parsed: ParsedRequest) -> list[Prompt]:
+async def _tokenize(
+    state: ApiState, parsed: ParsedRequest, history: SessionHistory | None
+) -> list[Prompt]:
+    """The prompts' tokens; a session's later turn: its history's, then its own."""
     tokenizer = state.tokenizer
 
     def prompt(given: str | list[int]) -> Prompt:
@@ -231,6 +248,10 @@ async def _tokenize(state: ApiState, parsed: ParsedRequest) -> list[Prompt]:
         return Prompt(token_ids, given if isinstance(given, str) else tokenizer.decode(given))
 
     def tokenize() -> list[Prompt]:
+        if history is not None and history.num_turns:
+            so_far = history.token_ids
+            turn = parsed.chat_template.apply_continuation(tokenizer, parsed.messages, so_far)
+            return [Prompt(so_far + turn)]
         if parsed.kind == "chat":
             return [Prompt(parsed.chat_template.apply(tokenizer, parsed.messages))]
         return [prompt(given) for given in parsed.prompts]
@@ -274,6 +295,23 @@ async def _check_backlog(state: ApiState, num_requests: int) -> None:
         )
 
 
+async def _session_history(state: ApiState, session_id: str) -> SessionHistory:
+    """The session's turns so far, if it can take its next one now; else 409."""
+
+    def conflict(message: str) -> ApiError:
+        return ApiError(409, message, param="session_id", code="session_conflict")
+
+    try:
+        history = await state.client.session_history(session_id)
+    except SchemaError:
+        raise conflict(f"'{session_id}' is the id of a request that is not a session") from None
+    if history.failed:
+        raise conflict(f"Session '{session_id}' is closed")
+    if not history.ended:
+        raise conflict(f"Turn {history.num_turns - 1} of session '{session_id}' is still running")
+    return history
+
+
 async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
     """Check capacity, submit, and answer as one JSON object or as an SSE stream."""
     state = state_of(request)
@@ -284,7 +322,10 @@ async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
             f"{state.settings.max_pending} requests this server queues",
             param="prompt",
         )
-    prompts = await _tokenize(state, parsed)
+    history = None
+    if parsed.session_id is not None:
+        history = await _session_history(state, parsed.session_id)
+    prompts = await _tokenize(state, parsed, history)
     max_model_len = await state.serving_max_model_len()
     for prompt in prompts:
         _check_length(len(prompt.token_ids), parsed.max_tokens, max_model_len)
@@ -296,13 +337,17 @@ async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
             except SchemaError as e:
                 raise ApiError(400, str(e), param="prompt_logprobs") from None
     await _check_backlog(state, len(prompts))
+    turn, after_seq = (history.num_turns, history.last_seq) if history else (0, -1)
+    num_history_tokens = len(history.token_ids) if history else 0
     generates = [
         GenerateRequest(
             request_id,
-            prompt_token_ids=prompt.token_ids,
+            prompt_token_ids=prompt.token_ids[num_history_tokens:],
             sampling=parsed.sampling,
             priority=parsed.priority,
             beam_search=parsed.beam_search,
+            turn=turn,
+            resumable=history is not None,
         )
         for request_id, prompt in zip(parsed.engine_request_ids, prompts, strict=True)
     ]
@@ -313,7 +358,7 @@ async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
         raise ApiError(400, str(e)) from None
     if not parsed.stream:
         await _submit(state.client, generates)
-        return await _answer_whole(request, state, parsed, prompts)
+        return await _answer_whole(request, state, parsed, prompts, turn, after_seq)
     shape = StreamShape(
         parsed.kind,
         parsed.request_id,
@@ -327,33 +372,51 @@ async def serve_generation(request: Request, parsed: ParsedRequest) -> Response:
         echo=[prompt.echo for prompt in prompts] if parsed.echo else None,
         echo_only=parsed.echo_only,
         tool_choice=parsed.tool_choice,
+        turn=turn,
+        after_seq=after_seq,
     )
     # Kept for `/v1/streams/{id}`, which must shape a resumed stream the same way.
     await state.client.save_sse_shape(
         parsed.request_id, shape.to_json(), state.settings.response_ttl_s
     )
-    reader = await state.readers.attach(shape.request_ids)
-    await _submit(state.client, generates)
-    return event_stream(state, shape, [-1] * len(prompts), reader, knew_id=False)
+    if parsed.session_id is None:
+        reader = await state.readers.attach(shape.request_ids)
+        await _submit(state.client, generates)
+    else:  # a session's turn: submitting it forgets the last turn's readers, so marked after
+        await _submit(state.client, generates)
+        reader = await state.readers.attach(shape.request_ids)
+    return event_stream(state, shape, [after_seq] * len(prompts), reader, knew_id=False)
 
 
 async def _submit(client: KvrailClient, generates: list[GenerateRequest]) -> None:
     """Submit every engine request, or none: on a failure (or a cancel) those submitted, the
-    one in flight among them, are aborted."""
+    one in flight among them, are aborted. A session's turn is submitted only if it is the
+    session's next (409 if not: another request took that turn, or the session closed)."""
     for i, generate in enumerate(generates):
         try:
-            await client.submit(generate)
+            if generate.is_session:
+                await client.submit_turn(generate)
+            else:
+                await client.submit(generate)
+        except SessionError as e:
+            raise ApiError(409, str(e), param="session_id", code="session_conflict") from None
         except BaseException:
             await _abort(client, [g.request_id for g in generates[: i + 1]])
             raise
 
 
 async def _answer_whole(
-    request: Request, state: ApiState, parsed: ParsedRequest, prompts: list[Prompt]
+    request: Request,
+    state: ApiState,
+    parsed: ParsedRequest,
+    prompts: list[Prompt],
+    turn: int,
+    after_seq: int,
 ) -> Response:
-    """Collect every chunk, aborting the requests if the client disconnects first."""
+    """Collect every chunk (of a session's `turn`: those after `after_seq`), aborting the
+    requests if the client disconnects first."""
     request_ids = parsed.engine_request_ids
-    collect = asyncio.create_task(_collect(state.client, request_ids))
+    collect = asyncio.create_task(_collect(state.client, request_ids, turn, after_seq))
     gone = asyncio.create_task(wait_for_disconnect(request.receive))
     try:
         await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -387,10 +450,13 @@ async def _abort(client: KvrailClient, request_ids: list[str]) -> None:
             await client.abort(request_id)
 
 
-async def _collect(client: KvrailClient, request_ids: list[str]) -> list[list[TokenChunk]]:
+async def _collect(
+    client: KvrailClient, request_ids: list[str], turn: int, after_seq: int
+) -> list[list[TokenChunk]]:
     """Each request's chunks, until every one has ended or one has failed."""
     results: list[list[TokenChunk]] = [[] for _ in request_ids]
-    async with contextlib.aclosing(_merge([client.stream(r) for r in request_ids])) as chunks:
+    streams = _merge([client.stream(r, after_seq, turn=turn) for r in request_ids])
+    async with contextlib.aclosing(streams) as chunks:
         async for index, chunk in chunks:
             results[index].append(chunk)
             if chunk.error is not None:
@@ -445,15 +511,17 @@ def event_stream(
     """The SSE response for `shape.request_id`'s chunks after `after` (per prompt, the seq of
     the last chunk the client has), ending [DONE], read by `reader` (`Readers.attach`), who
     leaves unless the response ends with the streams; `knew_id`: the reader came with the
-    request id (else it learns it from the first event). Every chunk is read from the first,
-    for `StreamEvents` to know what the client had."""
+    request id (else it learns it from the first event). Every chunk is read from the first
+    (of a session's turn: its first), for `StreamEvents` to know what the client had."""
     finished = False
     request_ids = shape.request_ids
 
     async def events() -> AsyncIterator[str]:
         nonlocal finished, knew_id
         shaper = StreamEvents(shape, state.token_str, after)
-        streams = _merge([state.client.stream(r) for r in request_ids])
+        streams = _merge(
+            [state.client.stream(r, shape.after_seq, turn=shape.turn) for r in request_ids]
+        )
         try:
             for event in shaper.start():
                 yield event

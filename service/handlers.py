@@ -53,8 +53,8 @@ async def resume_stream(request: Request) -> Response:
     if stored is None:
         raise ApiError(404, f"No stream for request '{request_id}' (unknown or expired)")
     shape = StreamShape.from_json(stored)
-    if after == [-1]:  # none given (or -1): from the start, whatever the prompts
-        after *= shape.num_prompts
+    if after == [-1]:  # none given (or -1): from the start (a session's: its turn's)
+        after = [shape.after_seq] * shape.num_prompts
     if len(after) != shape.num_prompts:
         raise ApiError(
             400,

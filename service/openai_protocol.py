@@ -31,10 +31,11 @@ from engine import (
     SamplingParams,
     StructuredOutputsParams,
     TokenBytes,
+    apply_chat_continuation,
     apply_chat_template,
     sampling_fields,
 )
-from queueing.schema import SchemaError, TokenChunk, check_priority
+from queueing.schema import SchemaError, TokenChunk, check_id, check_priority
 from service.tool_calls import ToolCallParser, ToolChoice, tool_constraint, whole_answer
 
 log = structlog.get_logger("kvrail.api")
@@ -159,6 +160,21 @@ class ChatTemplate:
             **self.kwargs,
         )[1]
 
+    def apply_continuation(
+        self, tokenizer: Any, messages: list[dict[str, Any]], history_token_ids: list[int]
+    ) -> list[int]:
+        """A session's later turn: `messages` after the tokens so far
+        (`engine.apply_chat_continuation`)."""
+        return apply_chat_continuation(
+            tokenizer,
+            messages,
+            history_token_ids,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            tools=self.tools,
+            **self.kwargs,
+        )[1]
+
 
 @dataclass
 class ParsedRequest:
@@ -179,6 +195,9 @@ class ParsedRequest:
     echo_only: bool = False
     tool_choice: ToolChoice | None = None  # chat with tools: how its choices call them
     priority: int = 0  # vLLM's: lower runs first (`GenerateRequest.priority`)
+    # chat: the streaming-input session this request is the next turn of (its id is the
+    # request's, and its engine request's)
+    session_id: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     # use_beam_search: the wire map of `BeamSearchParams` (then `sampling` is empty)
     beam_search: dict[str, Any] | None = None
@@ -562,10 +581,17 @@ def parse_chat(body: RequestBody, context: ParseContext) -> ParsedRequest:
     _check_prompt_logprobs_stream(sampling, stream)
     priority = _parse_priority(body)
     beam_search = _parse_beam_search(body, sampling)
+    session_id = _parse_session_id(body, sampling)
+    if beam_search and session_id:
+        raise ApiError(
+            400,
+            "'session_id': a session's turn samples, it cannot be a beam search",
+            param="use_beam_search",
+        )
     _unknown(body.unread(), context.unknown_fields)
     return ParsedRequest(
         "chat",
-        f"chatcmpl-{uuid.uuid4().hex}",
+        session_id or f"chatcmpl-{uuid.uuid4().hex}",
         {} if beam_search else sampling,
         stream,
         include_usage,
@@ -574,7 +600,23 @@ def parse_chat(body: RequestBody, context: ParseContext) -> ParsedRequest:
         tool_choice=tool_choice,
         priority=priority,
         beam_search=beam_search,
+        session_id=session_id,
     )
+
+
+def _parse_session_id(body: dict[str, Any], sampling: dict[str, Any]) -> str | None:
+    """kvrail's `session_id` (sent as extra body): this request is the next turn of that
+    streaming-input session, its messages the new ones only; one choice."""
+    session_id = get_field(body, "session_id", (str,))
+    if session_id is None:
+        return None
+    try:
+        check_id(session_id, "'session_id'")
+    except SchemaError as e:
+        raise ApiError(400, str(e), param="session_id") from None
+    if sampling.get("n", 1) != 1:
+        raise ApiError(400, "'session_id' takes n=1: a session continues one sequence", param="n")
+    return session_id
 
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -1017,6 +1059,9 @@ class StreamShape:
     echo: list[str] | None = None  # per prompt, the text its choices begin with
     echo_only: bool = False
     tool_choice: ToolChoice | None = None  # chat with tools: how its choices call them
+    # A session's turn: its chunks follow the earlier turns' (the last of which is after_seq)
+    turn: int = 0
+    after_seq: int = -1
 
     @property
     def request_ids(self) -> list[str]:

@@ -17,7 +17,7 @@ from engine import (
     STRUCTURED_OUTPUT_KINDS,
     sampling_fields,
 )
-from queueing.schema import MAX_PRIORITY
+from queueing.schema import MAX_ID_LEN, MAX_PRIORITY
 from service.openai_protocol import ROLES
 
 _REF = "#/components/schemas/"
@@ -317,6 +317,11 @@ _CHAT_REQUEST = {
         "max_completion_tokens": _sampling_field("max_tokens"),
         "logprobs": {"type": "boolean"},
         "top_logprobs": _sampling_field("logprobs"),
+        # kvrail's (extra body): the next turn of this streaming-input session, its messages
+        # the new ones only; n 1. 409 when the session cannot take a turn now.
+        "session_id": _nullable(
+            {"type": "string", "minLength": 1, "maxLength": MAX_ID_LEN, "pattern": "^\\S+$"}
+        ),
     },
 }
 # vLLM's prompt_logprobs: null at position 0, then per position the prompt's token and the
@@ -477,6 +482,8 @@ _ERROR_TEXT = {
     "408": "The body did not all arrive within KVRAIL_HTTP_BODY_TIMEOUT_S",
     "413": "Body larger than KVRAIL_MAX_BODY_BYTES",
     "415": "Body not sent as application/json",
+    "409": "The session (session_id) cannot take a turn now: closed, its last turn still "
+    "running, or the turn taken by another request",
     "429": "Too many requests pending; see Retry-After",
     "500": "The worker failed the request",
     "503": "No worker is alive; see Retry-After",
@@ -516,7 +523,9 @@ def _sse(description: str) -> dict[str, Any]:
     }
 
 
-def _generation(request_schema: str, response_schema: str, summary: str) -> dict[str, Any]:
+def _generation(
+    request_schema: str, response_schema: str, summary: str, *extra_errors: str
+) -> dict[str, Any]:
     ok = _json(response_schema, "The whole answer (stream=false)")
     ok["content"] |= _sse("With stream=true: chunks as SSE, each with `id: <seq>`, then [DONE]")[
         "content"
@@ -532,6 +541,7 @@ def _generation(request_schema: str, response_schema: str, summary: str) -> dict
             "responses": {
                 "200": ok,
                 **_errors("400", "401", "404", "408", "413", "415", "429", "500", "503", "504"),
+                **_errors(*extra_errors),
             },
         }
     }
@@ -558,7 +568,7 @@ def openapi_document(model_name: str) -> dict[str, Any]:
     paths = {
         "/v1/completions": _generation("CompletionRequest", "Completion", "Text completion"),
         "/v1/chat/completions": _generation(
-            "ChatCompletionRequest", "ChatCompletion", "Chat completion"
+            "ChatCompletionRequest", "ChatCompletion", "Chat completion", "409"
         ),
         "/v1/models": {
             "get": {

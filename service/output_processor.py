@@ -6,6 +6,11 @@ publisher as one `Batch`. A request's last chunk carries its usage, with the pro
 engine found in the prefix cache (OpenAI's `prompt_tokens_details.cached_tokens`); the entry's
 XACK and done mark ride in the same batch, after the chunks. Token and request metrics are
 observed here, labelled with the served model's name.
+
+A session's turn is over when its choice finishes (the engine's output is not `finished`
+then: the session waits): its last chunk carries the turn's usage, its entry is acknowledged
+and the session marked "waiting". Its first chunk carries the turn's own prompt tokens, which
+later turns' histories are built from (`queueing.schema.session_history`).
 """
 
 from __future__ import annotations
@@ -63,6 +68,10 @@ class OutputProcessor:
                     None if d is None else [[t, lp.logprob, lp.rank] for t, lp in d.items()]
                     for d in output.prompt_logprobs
                 ]
+            turn_prompt = None  # a session turn's first chunk: its prompt, past the history
+            if f.num_history_tokens is not None:
+                turn_prompt = output.prompt_token_ids[f.num_history_tokens :]
+                f.num_history_tokens = None
             chunk = f.chunk(
                 index=c.index,
                 token_ids=list(c.token_ids),
@@ -71,6 +80,7 @@ class OutputProcessor:
                 prompt_logprobs=prompt_logprobs,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                prompt_token_ids=turn_prompt,
             )
             batch.add_chunk(key, chunk, f.entry_id, f.data)
             num_new, last = num_new + len(c.token_ids), chunk
@@ -84,11 +94,12 @@ class OutputProcessor:
             f.last_token_s = now
             f.completion_tokens += num_new
             metrics.generation_tokens.labels(self.model_name).inc(num_new)
-        if output.finished:
+        turn_ended = f.request.resumable and last is not None and last.finish_reason is not None
+        if output.finished or turn_ended:
             if last is None:  # resumed with every choice done: only the usage chunk is due
                 batch.add_chunk(key, f.chunk(), f.entry_id, f.data)
             reason = last.finish_reason if last is not None else FinishReason.STOP
-            self._finish(f, batch, len(output.prompt_token_ids), reason)
+            self._finish(f, batch, len(output.prompt_token_ids), reason, waits=turn_ended)
 
     def _on_aborted(self, event: RequestAborted, batch: Batch) -> None:
         f = self.inflight.get(event.request_id)
@@ -116,8 +127,11 @@ class OutputProcessor:
         batch.acks.append(f.entry_id)
         batch.done.append(event.request_id)
 
-    def _finish(self, f: Inflight, batch: Batch, prompt_tokens: int, reason: str) -> None:
-        """Put usage on the request's last chunk and schedule its XACK after it is stored."""
+    def _finish(
+        self, f: Inflight, batch: Batch, prompt_tokens: int, reason: str, waits: bool = False
+    ) -> None:
+        """Put usage on the request's last chunk and schedule its XACK after it is stored;
+        `waits`: a session's turn, the session left open."""
         batch.chunks[-1][1].usage = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": f.completion_tokens,
@@ -127,7 +141,7 @@ class OutputProcessor:
         }
         del self.inflight[f.request.request_id]
         batch.acks.append(f.entry_id)
-        batch.done.append(f.request.request_id)
+        (batch.waiting if waits else batch.done).append(f.request.request_id)
         metrics.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
         metrics.request_success.labels(self.model_name, reason).inc()
         e2e = max(0.0, time.time() - f.enqueued_s)

@@ -1,4 +1,4 @@
-"""The worker's writes to Redis: chunks first, then dead letters, XACKs and done marks.
+"""The worker's writes to Redis: chunks first, then dead letters, XACKs and state marks.
 
 Everything the worker answers goes through one queue of `Batch`es, written in order by one
 task, so a request's chunks are stored before its entry is acknowledged: an entry acked is an
@@ -53,6 +53,7 @@ class Batch:
     acks: list[str] = field(default_factory=list)
     dead: list[tuple[str, bytes | None, str]] = field(default_factory=list)  # entry, data, why
     done: list[str] = field(default_factory=list)  # request ids answered in full
+    waiting: list[str] = field(default_factory=list)  # sessions whose turn was, left open
     # request id -> (entry id, data) of each request with chunks here: what a request whose
     # response key refuses them is dead-lettered and acknowledged with
     entries: dict[str, tuple[str, bytes | None]] = field(default_factory=dict)
@@ -114,10 +115,12 @@ class Publisher:
                     merged.acks += b.acks
                     merged.dead += b.dead
                     merged.done += b.done
+                    merged.waiting += b.waiting
                     merged.entries.update(b.entries)
             failed, self._unwritable = self._unwritable, set()
             merged.chunks = [(k, c) for k, c in merged.chunks if c.request_id not in failed]
             merged.done = [rid for rid in merged.done if rid not in failed]
+            merged.waiting = [rid for rid in merged.waiting if rid not in failed]
             try:
                 await self._flush(merged)
             except Exception:
@@ -143,10 +146,12 @@ class Publisher:
                     )
             if batch.acks:
                 await self._retry("ack", partial(self.consumer.ack, *batch.acks))
-            if batch.done:
-                mark = partial(streams.mark_done, self.r, batch.done, self.response_ttl_s)
+            for state, request_ids in (("done", batch.done), ("waiting", batch.waiting)):
+                if not request_ids:
+                    continue
+                mark = partial(streams.mark_done, self.r, request_ids, self.response_ttl_s, state)
                 for rid, error in (await self._retry("mark-done", mark)).items():
-                    log.warning("done mark refused", request_id=rid, error=str(error))
+                    log.warning("state mark refused", request_id=rid, state=state, error=str(error))
         except _GaveUp:
             return
 
@@ -164,6 +169,7 @@ class Publisher:
             batch.acks.append(entry_id)
             self.on_unwritable(rid)
         batch.done = [rid for rid in batch.done if rid not in failed]
+        batch.waiting = [rid for rid in batch.waiting if rid not in failed]
         self._unwritable.update(failed)
 
     async def _retry(self, what: str, write: Callable[[], Awaitable[T]]) -> T:

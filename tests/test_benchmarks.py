@@ -230,6 +230,7 @@ def test_parse_range_and_verdict():
         "structured",
         "priority",
         "beam_search",
+        "sessions",
     ],
 )
 def test_help_exits_zero(script):
@@ -313,3 +314,22 @@ def test_beam_search_benchmark_counts_the_blocks_beams_share(tmp_path):
     assert result["no_sharing_blocks"] == 4 * greedy["peak_blocks"]
     assert result["ratio"] == beam["peak_blocks"] / greedy["peak_blocks"]
     assert engine.get_stats().num_blocks_in_use == 0
+
+
+def test_sessions_counts_what_each_conversation_computes(tmp_path):
+    """benchmarks.sessions on a tiny model: a session's later turn computes its new tokens
+    and the last one sampled; a re-sent turn, its prompt less the prefix-cache hits."""
+    from benchmarks.sessions import converse, parse_args
+    from tests.engine.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=2)
+    args = parse_args(["--model", str(model_dir), "--dtype", "float32", "--turns", "3"])
+    args.output_len = 8
+    turns = converse(args)
+    assert [t["turn"] for t in turns] == [1, 2, 3]
+    for before, turn in itertools.pairwise(turns):
+        history = before["session"]["context"] + args.output_len
+        assert turn["session"]["prefill"] == turn["session"]["context"] - history + 1
+    for turn in turns:
+        resent = turn["resent"]
+        assert resent["prefill"] == resent["context"] - resent["prefix_cache_hits"]

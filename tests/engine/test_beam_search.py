@@ -215,7 +215,7 @@ def test_model_runner_copies_the_block_before_writing(eos_model, backend, kv_cac
     prompt = llm.llm_engine.tokenize_prompt(PROMPTS[2])[1][:13]  # 5 tokens in block 1
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=4)
     core.add_request(Request("p", prompt, params, None, keep_blocks=True))
-    while "p" not in scheduler.held_requests:
+    while "p" not in scheduler.kept:
         core.step()
     src = scheduler.kv_cache_manager.get_block_ids("p")[-1]
     forks = [Request(f"c{t}", [*prompt, t], params, None) for t in (100, 200)]
@@ -274,7 +274,7 @@ def held_parent(sched, num_tokens: int = 10) -> Request:
     parent = Request("p", tokens, SamplingParams(max_tokens=1), EOS, keep_blocks=True)
     sched.add_request(parent)
     step(sched)
-    assert sched.held_requests == {"p": parent}
+    assert sched.kept == {"p": parent}
     return parent
 
 
