@@ -140,13 +140,14 @@ class Scheduler:
         their blocks; returns their ids."""
         deadline = time.monotonic() - self.config.session_timeout_s
         closed = []
-        sessions = [r for r in self.kept.values() if r.resumable]  # as they began waiting
-        for session in sessions:
-            if session.waiting_since > deadline:
+        for request in self.kept.values():  # in the order they began waiting
+            if not request.resumable:
+                continue  # a beam's parent, released within its step
+            if request.waiting_since > deadline:
                 break
-            del self.kept[session.request_id]
-            self.kv_cache_manager.free(session)
-            closed.append(session.request_id)
+            closed.append(request.request_id)
+        for req_id in closed:
+            self.kv_cache_manager.free(self.kept.pop(req_id))
         return closed
 
     def _allocate_slots(
