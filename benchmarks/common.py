@@ -266,7 +266,10 @@ def run_timed_offline(
         was_full = in_flight >= limit
         for output in engine.step():
             timing = timings[output.request_id]
-            timing.chunk_times.append(time.perf_counter())
+            if output.error is not None:
+                timing.error = output.error  # a failed request ends with no outputs
+            else:
+                timing.chunk_times.append(time.perf_counter())
             timing.output_tokens += sum(len(c.token_ids) for c in output.outputs)
             if output.finished:
                 in_flight -= 1

@@ -103,7 +103,7 @@ def resolve_kv_cache_dtype(
 @dataclass
 class CachedRequestState:
     req_id: str
-    row: int  # row in the persistent token / block-table arrays
+    row: int  # row in the persistent token / block-table arrays; -1 while preempted
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     generator: torch.Generator | None  # set for seeded requests; lives across preemptions
@@ -408,6 +408,8 @@ class ModelRunner:
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the scheduler's diffs to the runner's copy of each request."""
+        for req_id in scheduler_output.preempted_req_ids:  # (some may have finished since)
+            self._release_row(self.requests[req_id])
         self._forget(scheduler_output.finished_req_ids)
         for new in scheduler_output.scheduled_new_reqs:
             params = new.sampling_params
@@ -434,6 +436,10 @@ class ModelRunner:
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
             if cached.resumed_from_preemption[i]:
+                state.row = self.free_rows.pop()
+                self.token_ids_cpu[state.row, : state.num_tokens] = (
+                    state.prompt_token_ids + state.output_token_ids
+                )
                 state.block_ids = list(cached.new_block_ids[i])
                 if isinstance(self.proposer, DraftModelProposer):
                     self.proposer.reset(req_id, state.num_computed_tokens)
@@ -461,12 +467,17 @@ class ModelRunner:
         for cache in (c.view(torch.uint8) for layer in caches for c in layer):
             cache[dst] = cache[src]
 
+    def _release_row(self, state: CachedRequestState) -> None:
+        if state.row >= 0:
+            self.free_rows.append(state.row)
+            state.row = -1
+
     def _forget(self, req_ids: Iterable[str]) -> None:
         """Drop the runner's copy of these requests (those it holds) and free their rows."""
         for req_id in req_ids:
             state = self.requests.pop(req_id, None)
             if state is not None:
-                self.free_rows.append(state.row)
+                self._release_row(state)
             if isinstance(self.proposer, DraftModelProposer):
                 self.proposer.forget(req_id)
 

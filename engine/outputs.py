@@ -44,6 +44,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]  # req_id -> tokens computed this step, drafts included
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished since the last step: the runner drops their state
+    # Preempted since the last step: the runner keeps their state (outputs, generator) but
+    # gives up their rows, as a request may be admitted before they resume (priority policy)
+    preempted_req_ids: set[str] = field(default_factory=set)
     # req_id -> draft tokens [s] to verify, the last s of its scheduled tokens (none: absent)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Structured outputs: req_id -> its first row of `grammar_bitmask`, for each request with

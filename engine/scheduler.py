@@ -23,8 +23,11 @@ the waiting request admitted next is the one with the lowest key, the running re
 the budget in key order, and the one preempted under KV pressure, the last of `running`, is
 the lowest priority, then the latest. A waiting request that finds every seat taken by
 requests it outranks preempts the lowest of them for its seat (vLLM v0's priority
-preemption; v1 makes it wait for the next seat to free). Equal priorities never preempt each
-other and are served first come, first served, so none of them starves.
+preemption; v1 makes it wait for the next seat to free). A step that computes a prompt of
+some priority computes no prompt of a lower one, only its decodes (`_prefill_rank`): the
+newcomer's first token waits for its own prompt, not the backlog's. Equal priorities never
+preempt or hold back each other and are served first come, first served, so none of them
+starves.
 
 A finished request may keep its KV blocks (`kept`, out of both queues) for the requests that
 continue it, and two kinds do:
@@ -92,6 +95,7 @@ class Scheduler:
         self.kept: dict[str, Request] = {}
         self.num_arrivals = 0
         self.finished_req_ids: set[str] = set()  # since the last schedule()
+        self.preempted_req_ids: set[str] = set()  # since the last schedule()
         self.num_structured_output_reqs = 0  # live requests with a grammar
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt tokens computed (not found in the cache or kept)
@@ -183,8 +187,10 @@ class Scheduler:
         resumed_reqs: list[Request] = []
         new_block_ids: dict[str, list[int]] = {}
         spec_tokens: dict[str, list[int]] = {}
+        prefill_rank = None  # lower priorities (higher values) compute no prompt this step
         if self.by_priority and request_ids is None:
             self._free_seats()
+            prefill_rank = self._prefill_rank()
 
         # Running requests first: each gets the tokens it lacks (its drafts too), chunked by
         # the budget.
@@ -195,8 +201,14 @@ class Scheduler:
                 request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens,
                 token_budget,
             )
-            if num_new_tokens == 0 or (
-                request_ids is not None and request.request_id not in request_ids
+            if (
+                num_new_tokens == 0
+                or (request_ids is not None and request.request_id not in request_ids)
+                or (
+                    prefill_rank is not None
+                    and request.priority > prefill_rank
+                    and _in_prefill(request)
+                )
             ):
                 req_index += 1
                 continue
@@ -225,11 +237,13 @@ class Scheduler:
         for request in self.waiting:
             if token_budget <= 0 or preempted or len(self.running) >= self.config.max_num_seqs:
                 break
+            if prefill_rank is not None and request.priority > prefill_rank:
+                break  # the rest rank lower still
             if request_ids is not None and request.request_id not in request_ids:
                 continue
+            if _compiling(request):
+                continue  # the requests behind it go first
             if request.status == RequestStatus.WAITING_FOR_FSM:
-                if request.grammar is None:
-                    continue  # still compiling: the requests behind it go first
                 request.status = RequestStatus.WAITING
             computed_blocks, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0:
@@ -271,7 +285,7 @@ class Scheduler:
             request.num_computed_tokens += num_tokens
         if self.num_structured_output_reqs:
             self._fill_grammar_bitmask(output)
-        self.finished_req_ids = set()
+        self.finished_req_ids, self.preempted_req_ids = set(), set()
         return output
 
     def _fill_grammar_bitmask(self, output: SchedulerOutput) -> None:
@@ -344,8 +358,8 @@ class Scheduler:
         num_free = self.config.max_num_seqs - len(self.running)
         victims: list[Request] = []
         for request in self.waiting:
-            if request.status == RequestStatus.WAITING_FOR_FSM and request.grammar is None:
-                continue  # still compiling: takes no seat this step
+            if _compiling(request):
+                continue  # takes no seat this step
             if num_free > 0:
                 num_free -= 1
                 continue
@@ -357,10 +371,25 @@ class Scheduler:
             self.running.pop()
             self._preempt(victim)
 
+    def _prefill_rank(self) -> int | None:
+        """Under the priority policy: the highest priority (lowest value) with prompt tokens to
+        compute this step, among the running requests and the waiting one admitted next (if a
+        seat is free for it). Requests ranking below it compute none of their prompts in this
+        step, only their decodes: a step's length is what a newcomer's TTFT waits on, and
+        on these CPUs it grows with the prompt tokens in it (about 0.5 ms each for the default
+        model), so a high priority's prefill step carries no backlog prefill."""
+        rank = next((r.priority for r in self.running if _in_prefill(r)), None)  # sorted
+        if len(self.running) < self.config.max_num_seqs:
+            head = next((r for r in self.waiting if not _compiling(r)), None)
+            if head is not None and (rank is None or head.priority < rank):
+                rank = head.priority
+        return rank
+
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV, back to the head of the waiting queue."""
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
+        self.preempted_req_ids.add(request.request_id)
         request.num_computed_tokens = 0
         request.spec_token_ids = []  # waiting requests carry no drafts
         request.num_preemptions += 1
@@ -386,6 +415,7 @@ class Scheduler:
         prefix cache, as their KV may be missing. Preemptions it made stand: they only cost a
         recompute."""
         self.finished_req_ids |= scheduler_output.finished_req_ids
+        self.preempted_req_ids |= scheduler_output.preempted_req_ids
         new_req_ids = {r.req_id for r in scheduler_output.scheduled_new_reqs}
         scheduled = scheduler_output.num_scheduled_tokens
         for request in reversed([r for r in self.running if r.request_id in scheduled]):
@@ -398,6 +428,7 @@ class Scheduler:
                 request.status, request.num_cached_tokens = RequestStatus.WAITING, -1
             else:
                 request.status = RequestStatus.PREEMPTED
+                self.preempted_req_ids.add(request.request_id)
             request.spec_token_ids = []
             self._enqueue(self.waiting, request, at_head=True)
 
@@ -435,6 +466,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.preempted_req_ids,
         )
 
     def update_from_output(
@@ -604,3 +636,14 @@ def _num_common_tokens(a: list[int], b: list[int]) -> int:
     if a == b:  # the usual case, at C speed
         return len(a)
     return next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+
+
+def _in_prefill(request: Request) -> bool:
+    """Whether a request has more than its next token to compute: a prompt, or a preempted
+    request's recompute."""
+    return request.num_tokens - request.num_computed_tokens > 1
+
+
+def _compiling(request: Request) -> bool:
+    """Whether a waiting request's grammar is still compiling (it is passed over meanwhile)."""
+    return request.status == RequestStatus.WAITING_FOR_FSM and request.grammar is None

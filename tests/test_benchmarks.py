@@ -119,9 +119,10 @@ def test_rounds_pool_their_requests_and_the_verdict_takes_the_median_round():
 class FakeEngine:
     """One token per running request per step; records the most requests running at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, failing: tuple[str, ...] = ()) -> None:
         self.left: dict[str, int] = {}
         self.max_running = 0
+        self.failing = failing  # these fail at their first step, as an isolated fault does
 
     def add_request(self, request_id, prompt, params, priority=0) -> None:
         self.left[request_id] = params.max_tokens
@@ -133,13 +134,21 @@ class FakeEngine:
     def step(self):
         outputs = []
         for request_id in list(self.left):
+            if request_id in self.failing:
+                del self.left[request_id]
+                outputs.append(
+                    SimpleNamespace(request_id=request_id, outputs=[], finished=True, error="boom")
+                )
+                continue
             self.left[request_id] -= 1
             finished = self.left[request_id] == 0
             if finished:
                 del self.left[request_id]
             token = SimpleNamespace(token_ids=[7])
             outputs.append(
-                SimpleNamespace(request_id=request_id, outputs=[token], finished=finished)
+                SimpleNamespace(
+                    request_id=request_id, outputs=[token], finished=finished, error=None
+                )
             )
         return outputs
 
@@ -153,6 +162,14 @@ def test_run_timed_offline_counts_tokens_and_honours_concurrency():
     assert all(t.ok and t.ttft >= 0 and t.e2e <= duration for t in timings)
     # The fake steps are instant: TTFT is the driver's own overhead (no import on the clock).
     assert max(t.ttft for t in timings) < 1.0
+
+
+def test_run_timed_offline_reports_a_failed_request_as_not_ok():
+    workload = make_workload(TOKENS, 3, (4, 8), (2, 3), seed=0)
+    engine = FakeEngine(failing=(workload[1].request_id,))
+    timings, _ = run_timed_offline(engine, workload, [0.0] * 3)
+    assert [t.ok for t in timings] == [True, False, True]
+    assert timings[1].error == "boom" and timings[1].chunk_times == []
 
 
 def test_model_flops_per_token_smollm2():

@@ -569,6 +569,36 @@ def test_priority_policy_runs_a_request_submitted_last_first(tiny_llama, tiny_ll
     assert_pool_free(llm)
 
 
+def test_priority_seat_preemption_keeps_every_request_whole(tiny_llama, tiny_llm):
+    """Two seats held by seeded low-priority requests; two urgent ones arrive and take both
+    (each preempts one low). The preempted keep their sampled tokens and generators, and
+    give their places in the runner's batch arrays to the urgent ones until they resume:
+    nobody fails, and every request's tokens are those of the same request run alone."""
+    llm = LLM(str(tiny_llama), dtype="float32", max_num_seqs=2, scheduling_policy="priority")
+    engine = llm.llm_engine
+    low = [SamplingParams(temperature=1.0, seed=i, max_tokens=8, ignore_eos=True) for i in (3, 4)]
+    high = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i in range(2):
+        engine.add_request(f"low-{i}", PROMPTS[i], low[i], priority=1)
+    tokens: dict[str, list[int]] = {}
+    errors = []
+    for _ in range(3):  # both lows past their prompts
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    for i in range(2):
+        engine.add_request(f"high-{i}", PROMPTS[2 + i], high, priority=0)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            errors += [out.error] if out.error else []
+            if out.outputs:
+                tokens.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+    assert errors == [] and engine.get_stats().num_preemptions == 2
+    alone = tiny_llm.generate(PROMPTS[:4], [*low, high, high])
+    req_ids = ["low-0", "low-1", "high-0", "high-1"]
+    assert [tokens[r] for r in req_ids] == [o.outputs[0].token_ids for o in alone]
+    assert_pool_free(llm)
+
+
 def test_bad_priorities_are_refused(tiny_llm):
     """The fcfs policy takes priority 0 only (vLLM too); a priority is an integer; `generate`
     needs one per prompt. Nothing is left queued."""

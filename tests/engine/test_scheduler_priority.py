@@ -54,22 +54,22 @@ def test_fcfs_ignores_priority_values():
 
 
 def fill_the_pool(policy: str):
-    """Six blocks of 4 tokens, three requests of 7-token prompts (2 blocks each): r0
-    (priority 1) runs first, then r1 (priority 1) and r2 (priority 0) arrive and fill the
-    pool. At the next decode r0 needs a third block, so someone is preempted."""
+    """Six blocks of 4 tokens, three requests of 7-token prompts (2 blocks each): r0 and r1
+    (priority 1) run first, then r2 (priority 0) arrives and fills the pool. At the next
+    decode r0 needs a third block, so someone is preempted."""
     sched = make_scheduler(num_blocks=6, block_size=4, budget=64, policy=policy)
     sched.add_request(make_request("r0", 7, max_tokens=8, priority=1))
-    step(sched)
     sched.add_request(make_request("r1", 7, max_tokens=8, base=70, priority=1))
+    step(sched)
     sched.add_request(make_request("r2", 7, max_tokens=8, base=130, priority=0))
     out, _ = step(sched)
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["r2"]
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 0
-    return sched, [r.req_id for r in out.scheduled_new_reqs]
+    return sched
 
 
 def test_preemption_takes_the_lowest_priority_then_the_latest():
-    sched, admitted = fill_the_pool("priority")
-    assert admitted == ["r2", "r1"]
+    sched = fill_the_pool("priority")
     assert [r.request_id for r in sched.running] == ["r2", "r0", "r1"]
     out, _ = step(sched)
     # r0 and r1 share the lowest priority; r1 arrived later.
@@ -82,8 +82,7 @@ def test_preemption_takes_the_lowest_priority_then_the_latest():
 
 
 def test_fcfs_preempts_the_last_admitted_as_before():
-    sched, admitted = fill_the_pool("fcfs")
-    assert admitted == ["r1", "r2"]
+    sched = fill_the_pool("fcfs")
     step(sched)
     assert preempted(sched) == {"r2"}
     run_to_completion(sched)
@@ -106,7 +105,9 @@ def test_a_higher_priority_takes_the_seat_of_the_lowest_then_latest():
     sched = make_scheduler(max_num_seqs=3, budget=64, policy="priority")
     for req_id, priority in [("low-a", 2), ("low-b", 2), ("mid", 1)]:
         sched.add_request(make_request(req_id, 5, max_tokens=6, priority=priority))
-    step(sched)
+    step(sched)  # mid's prompt, alone
+    step(sched)  # then the low ones' (mid decodes)
+    assert [r.request_id for r in sched.running] == ["mid", "low-a", "low-b"]
     sched.add_request(make_request("urgent", 5, max_tokens=2, base=70, priority=0))
     out, _ = step(sched)
     # low-a and low-b share the lowest priority; low-b arrived later. It gave its seat and
@@ -148,6 +149,26 @@ def test_each_outranking_arrival_takes_one_seat():
     out, _ = step(sched)
     assert preempted(sched) == {"low-1", "low-2"}
     assert {r.req_id for r in out.scheduled_new_reqs} == {"urgent-0", "urgent-1", "urgent-2"}
+    run_to_completion(sched)
+
+
+def test_a_higher_prefill_step_carries_only_the_decodes_of_lower_priorities():
+    """low-a decodes and low-b is partway through its prompt (chunked by the budget) when
+    an urgent request arrives with a seat free: the urgent prompt's step runs low-a's decode
+    but none of low-b's prompt, which resumes once the urgent one decodes. Equal priorities
+    compute their prompts in one step."""
+    sched = make_scheduler(max_num_seqs=4, budget=12, policy="priority")
+    sched.add_request(make_request("low-a", 5, max_tokens=8, priority=1))
+    sched.add_request(make_request("low-b", 20, max_tokens=4, base=30, priority=1))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"low-a": 5, "low-b": 7}
+    sched.add_request(make_request("urgent", 6, max_tokens=3, base=70, priority=0))
+    sched.add_request(make_request("urgent-2", 4, max_tokens=3, base=90, priority=0))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"urgent": 6, "urgent-2": 4, "low-a": 1}
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"urgent": 1, "urgent-2": 1, "low-a": 1, "low-b": 9}
+    assert preempted(sched) == set()
     run_to_completion(sched)
 
 
