@@ -457,13 +457,22 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
 }
 
 /* Float linear for small M over plain [N, K] weights (row stride K): a dot product per
- * output along k, tiles of up to F32_DOT_ROWS rows x 4 columns. silu_mul: W holds [gate; up]
+ * output along k, tiles of up to 6 rows x 4 columns. silu_mul: W holds [gate; up]
  * (2 N rows), out[m][n] = silu(x.gate_n) * (x.up_n). */
-#define DOT_TILE 4 /* columns of a tile; rows too, but for fp32 on AVX2 */
+#define DOT_TILE 4 /* columns of a tile; rows too, but where a vector tile takes more */
+#define MAX_DOT_ROWS 6 /* the most rows of any tile (buffers) */
 #if defined(__AVX2__) && defined(__FMA__)
 #define F32_DOT_ROWS 6 /* dot_tile_f32_avx2: 6 rows x 2 columns of accumulators */
 #else
 #define F32_DOT_ROWS DOT_TILE
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* dot_tile_bf16: 6 rows x 4 columns of accumulators, 4 weight vectors and an activation,
+ * 29 of the 32 zmm registers. With 4 rows, M = 5 (a speculative verify step of k = 4) took
+ * two tiles (3 + 2 rows), each streaming its columns' weights again through L1. */
+#define BF16_DOT_ROWS 6
+#else
+#define BF16_DOT_ROWS DOT_TILE
 #endif
 
 static inline float dot_generic_f32(const float *a, const float *b, int64_t K) {
@@ -481,13 +490,35 @@ static inline float dot_generic_bf16(const uint16_t *a, const uint16_t *b, int64
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* The lane sums of four vectors, in one vector: halves folded two vectors at a time, then
+ * horizontal adds, 13 instructions where four separate reductions take 32. A tile of 5 or 6
+ * rows has 20 or 24 sums to reduce over only K / 32 iterations (18 for most of SmolLM2's
+ * layers). */
+static inline __m128 hsum4_ps(__m512 a, __m512 b, __m512 c, __m512 d) {
+    /* 128-bit lanes: ab = [a0+a2, a1+a3, b0+b2, b1+b3], cd likewise */
+    const __m512 ab =
+        _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd =
+        _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    /* [a, b, c, d]: each 128-bit lane the 4 partial sums of one vector */
+    const __m512 abcd =
+        _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    const __m256 lo = _mm512_castps512_ps256(abcd), hi = _mm512_extractf32x8_ps(abcd, 1);
+    /* hadd(lo, hi) = [a01 a23 c01 c23 | b01 b23 d01 d23]; once more: [a c a c | b d b d] */
+    const __m256 h = _mm256_hadd_ps(lo, hi);
+    const __m256 h2 = _mm256_hadd_ps(h, h);
+    /* lanes 0, 1 of each half: a, c and b, d */
+    const __m128 ac = _mm256_castps256_ps128(h2), bd = _mm256_extractf128_ps(h2, 1);
+    return _mm_unpacklo_ps(ac, bd); /* [a, b, c, d] */
+}
+
 /* sums[i][j] = x[i] . w[j] for a tile, bf16 pairs multiplied into fp32 lanes. */
 static inline __attribute__((always_inline)) void dot_tile_bf16(const uint16_t *x,
                                                                 int64_t stride_x,
                                                                 const uint16_t *const *w_rows,
                                                                 int mr, int nr, int64_t K,
                                                                 float *sums) {
-    __m512 acc[DOT_TILE][DOT_TILE];
+    __m512 acc[BF16_DOT_ROWS][DOT_TILE];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32) {
@@ -506,8 +537,14 @@ static inline __attribute__((always_inline)) void dot_tile_bf16(const uint16_t *
                 acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)a, (__m512bh)b[j]);
         }
     }
-    for (int i = 0; i < mr; i++)
+    for (int i = 0; i < mr; i++) {
+        if (nr == DOT_TILE) {
+            const __m128 four = hsum4_ps(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+            _mm_storeu_ps(sums + i * DOT_TILE, four);
+            continue;
+        }
         for (int j = 0; j < nr; j++) sums[i * DOT_TILE + j] = _mm512_reduce_add_ps(acc[i][j]);
+    }
 }
 #define BF16_TILE(MR, NR)                                                                       \
     case MR * 8 + NR:                                                                           \
@@ -518,7 +555,9 @@ static inline __attribute__((always_inline)) void dot_tile_bf16(const uint16_t *
 static void dot_tile_bf16_dispatch(const uint16_t *x, int64_t stride_x,
                                    const uint16_t *const *w_rows, int mr, int nr, int64_t K,
                                    float *sums) {
-    switch (mr * 8 + nr) { BF16_TILES(1) BF16_TILES(2) BF16_TILES(3) BF16_TILES(4) }
+    switch (mr * 8 + nr) {
+        BF16_TILES(1) BF16_TILES(2) BF16_TILES(3) BF16_TILES(4) BF16_TILES(5) BF16_TILES(6)
+    }
 }
 #endif
 
@@ -741,7 +780,7 @@ void kvrail_linear_float(const struct kvrail_float_linear_args *a, int tid, int 
      * `results/linear_kernels-avx2-f32rows.md`), tiles of at most 4 rows -> at most 6, even:
      * M = 5 (a speculative verify step of k = 4) 42.4 -> 22.8 ms, M = 7 50.2 -> 31.6 ms,
      * M = 4 21.6 -> 19.8 ms, M = 1 16.5 -> 15.6 ms. */
-    const int max_rows = a->dtype == KVRAIL_F32 ? F32_DOT_ROWS : DOT_TILE;
+    const int max_rows = a->dtype == KVRAIL_F32 ? F32_DOT_ROWS : BF16_DOT_ROWS;
     const int num_tiles = (int)((M + max_rows - 1) / max_rows);
     const int tile_rows = num_tiles ? (int)((M + num_tiles - 1) / num_tiles) : 1;
     for (int64_t n0 = begin; n0 < end; n0 += DOT_TILE) {
@@ -754,7 +793,7 @@ void kvrail_linear_float(const struct kvrail_float_linear_args *a, int tid, int 
         for (int64_t m0 = 0; m0 < M; m0 += tile_rows) {
             const int mr = M - m0 < tile_rows ? (int)(M - m0) : tile_rows;
             const void *xm = (const char *)a->x + m0 * a->stride_x * esize;
-            float sums[F32_DOT_ROWS * DOT_TILE], ups[F32_DOT_ROWS * DOT_TILE]; /* the most rows */
+            float sums[MAX_DOT_ROWS * DOT_TILE], ups[MAX_DOT_ROWS * DOT_TILE];
             dot_tile(xm, (int)a->dtype, a->stride_x, gate_rows, mr, nr, K, sums);
             if (a->silu_mul) dot_tile(xm, (int)a->dtype, a->stride_x, up_rows, mr, nr, K, ups);
             for (int i = 0; i < mr; i++)

@@ -135,7 +135,13 @@ def test_w8a8_is_close_to_the_float_linear(m):
 
 # 2-16 tokens over k a multiple of 32 take the AMX-BF16 path in bf16 where the CPU has it;
 # 52 and 100 columns leave a remainder of 16 to the vector path.
-FLOAT_CASES = [*LINEAR_CASES[:3], (5, 52, 64, True, True), (16, 100, 96, False, False)]
+FLOAT_CASES = [
+    *LINEAR_CASES[:3],
+    (5, 52, 64, True, True),
+    (6, 36, 70, False, True),  # one tile of 6 rows, k past the last 32
+    (11, 40, 96, True, False),  # tiles of 6 and 5 rows
+    (16, 100, 96, False, False),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
