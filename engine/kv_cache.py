@@ -198,14 +198,10 @@ class KVCacheManager:
         num_computed_tokens = (
             request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         )
-        num_required_blocks = -(
-            -(num_computed_tokens + num_new_tokens + num_lookahead_tokens) // self.block_size
+        num_new_blocks, copy_on_write = self._num_blocks_to_take(
+            request, num_new_tokens, new_computed_blocks, num_lookahead_tokens
         )
-        num_new_blocks = max(0, num_required_blocks - len(req_blocks) - len(new_computed_blocks))
-        # The block the step writes first is still shared with a fork (`fork`): copy on write.
         first = num_computed_tokens // self.block_size
-        copy_on_write = num_new_tokens > 0 and first < len(req_blocks)
-        copy_on_write = copy_on_write and req_blocks[first].ref_cnt > 1
         # Hits sitting in the free queue stop being free once referenced.
         num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         if num_new_blocks + copy_on_write > self.block_pool.get_num_free_blocks() - num_free_hits:
@@ -229,6 +225,35 @@ class KVCacheManager:
             num_known = min(num_computed_tokens + num_new_tokens, request.num_tokens)
             self._cache_full_blocks(request, req_blocks, num_known // self.block_size)
         return new_blocks
+
+    def _num_blocks_to_take(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_lookahead_tokens: int = 0,
+    ) -> tuple[int, bool]:
+        """The new blocks `allocate_slots` takes from the pool for these tokens, and whether
+        it copies on write the block the step writes first (still shared with a fork)."""
+        req_blocks = self.req_to_blocks.get(request.request_id, [])
+        num_computed_tokens = (
+            request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        )
+        num_required_blocks = -(
+            -(num_computed_tokens + num_new_tokens + num_lookahead_tokens) // self.block_size
+        )
+        num_new_blocks = max(0, num_required_blocks - len(req_blocks) - len(new_computed_blocks))
+        first = num_computed_tokens // self.block_size
+        copy_on_write = num_new_tokens > 0 and first < len(req_blocks)
+        return num_new_blocks, copy_on_write and req_blocks[first].ref_cnt > 1
+
+    def can_allocate(self, request: Request, num_new_tokens: int, num_lookahead: int) -> bool:
+        """Whether `allocate_slots(request, num_new_tokens)` would find room now, prefix hits
+        not counted (they only need fewer blocks); changes nothing."""
+        num_new_blocks, copy_on_write = self._num_blocks_to_take(
+            request, num_new_tokens, (), num_lookahead
+        )
+        return num_new_blocks + copy_on_write <= self.block_pool.get_num_free_blocks()
 
     def fork(self, parent: Request, child: Request) -> int:
         """Give `child`, whose tokens begin with the parent's computed ones, the parent's

@@ -374,14 +374,27 @@ class Scheduler:
     def _prefill_rank(self) -> int | None:
         """Under the priority policy: the highest priority (lowest value) with prompt tokens to
         compute this step, among the running requests and the waiting one admitted next (if a
-        seat is free for it). Requests ranking below it compute none of their prompts in this
-        step, only their decodes: a step's length is what a newcomer's TTFT waits on, and
-        on these CPUs it grows with the prompt tokens in it (about 0.5 ms each for the default
-        model), so a high priority's prefill step carries no backlog prefill."""
+        seat is free for it and the free blocks hold its first chunk: else the lower prompts
+        holding blocks would wait for it, and it for their blocks). Requests ranking below it
+        compute none of their prompts in this step, only their decodes: a step's length is
+        what a newcomer's TTFT waits on, and on these CPUs it grows with the prompt tokens in
+        it (about 1 ms each for the default model in bf16, `benchmarks/priority.py`), so a
+        high priority's prefill step carries no backlog prefill."""
         rank = next((r.priority for r in self.running if _in_prefill(r)), None)  # sorted
         if len(self.running) < self.config.max_num_seqs:
             head = next((r for r in self.waiting if not _compiling(r)), None)
-            if head is not None and (rank is None or head.priority < rank):
+            if (
+                head is not None
+                and (rank is None or head.priority < rank)
+                and self.kv_cache_manager.can_allocate(
+                    head,
+                    self._clip(
+                        head.num_tokens - head.num_computed_tokens,
+                        self.config.max_num_batched_tokens,
+                    ),
+                    self._lookahead(head),
+                )
+            ):
                 rank = head.priority
         return rank
 

@@ -172,6 +172,21 @@ def test_a_higher_prefill_step_carries_only_the_decodes_of_lower_priorities():
     run_to_completion(sched)
 
 
+def test_a_higher_prompt_that_cannot_get_its_blocks_holds_nothing_back():
+    """Four blocks of 4 tokens: low's prompt (14 tokens, budget 12) holds three after its
+    first chunk. An urgent prompt whose first chunk needs three more cannot be admitted, so
+    low's prompt goes on (it would otherwise wait for the urgent one, which waits for low's
+    blocks: no step would schedule anything); the urgent one runs once low is done."""
+    sched = make_scheduler(num_blocks=4, block_size=4, budget=12, policy="priority")
+    sched.add_request(make_request("low", 14, max_tokens=2, priority=1))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"low": 12}
+    sched.add_request(make_request("urgent", 14, max_tokens=2, base=70, priority=0))
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"low": 2}
+    assert admission_order(sched) == ["urgent"]
+
+
 def test_fcfs_never_preempts_for_a_seat():
     sched = make_scheduler(max_num_seqs=1, budget=64)
     sched.add_request(make_request("a", 5, max_tokens=6, priority=5))
