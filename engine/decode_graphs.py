@@ -13,10 +13,10 @@ a prefill run eagerly.
 
 With speculative decoding, steps verify up to k drafts a request: up to k + 1 query tokens
 each. CPU graphs capture those steps too, as "verify" buckets of `size` requests and
-`size * (k + 1)` token rows, whose attention runs the prompt kernel (any query length over
-cached context, read from the buffers at replay); a step whose requests have fewer tokens
-pads them with rows that belong to no request. CUDA graphs capture decode steps only:
-verify steps run eagerly there (`DecodeGraphs.query_lens`).
+`size * (k + 1)` token rows, whose attention runs the decode kernel over a few queries a
+request (any query length up to k + 1, read from the buffers at replay); a step whose
+requests have fewer tokens pads them with rows that belong to no request. CUDA graphs capture
+decode steps only: verify steps run eagerly there (`DecodeGraphs.query_lens`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from engine.kernels.cpu_ops import write_kv_cache
 class CpuAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64
     num_actual_tokens: int
-    decode_req_indices: torch.Tensor  # [num_decodes] int32, requests with query_len == 1
+    # [num_decodes] int32, requests with query_len <= MAX_DECODE_QUERY_LEN (decodes, verify steps)
+    decode_req_indices: torch.Tensor
     prefill_req_indices: torch.Tensor  # [num_prefills] int32, the others
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
     seq_lens: torch.Tensor  # [num_reqs] int32
@@ -38,7 +39,7 @@ class CpuAttentionBackend(AttentionBackend):
 
     def build(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
         qsl = common.query_start_loc_cpu[: common.num_reqs + 1]
-        is_decode = (qsl[1:] - qsl[:-1]) == 1
+        is_decode = (qsl[1:] - qsl[:-1]) <= cpu_attention.MAX_DECODE_QUERY_LEN
         return CpuAttentionMetadata(
             slot_mapping=common.slot_mapping[: common.num_actual_tokens].long(),
             num_actual_tokens=common.num_actual_tokens,

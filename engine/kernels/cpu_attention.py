@@ -14,10 +14,17 @@ import ctypes
 
 import torch
 
+from engine.config import MAX_NUM_SPECULATIVE_TOKENS
 from engine.kernels.cpu_runtime import dtype_code, launch
 
 # q / out dtypes; the cache holds the same dtype or fp8 e4m3 (with scales)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+# Requests of up to this many query tokens take the decode kernel: every speculative verify
+# step (1 + drafts), so that it scores each position bit for bit as a plain decode step would
+# (greedy speculation then changes no token, in bf16 too). The decode kernel reads the context
+# once per query (from L2 after the first); the prompt kernel, once per 16 queries.
+MAX_DECODE_QUERY_LEN = 1 + MAX_NUM_SPECULATIVE_TOKENS
 
 
 def supports_head_dim(head_dim: int) -> bool:
@@ -124,20 +131,24 @@ def paged_decode_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> None:
-    """Attend each request `req_indices[i]`'s single query token to its paged context.
+    """Attend each query token of requests `req_indices` (rows `query_start_loc[r]` ..
+    `query_start_loc[r + 1]`: one for a decode, a few for a speculative verify step) to its
+    paged context: query i of q_len sits at position `seq_lens[r] - q_len + i` and sees the
+    context up to it, computed exactly as that token's own decode step would compute it.
 
-    Same contract as the Triton `decode_attention`: q, out `[T, num_heads, head_dim]` (float32
-    or bfloat16; out contiguous; q's heads and head_dim contiguous, its token stride free);
-    k_cache, v_cache `[num_blocks, block_size, num_kv_heads, head_dim]` in q's dtype or fp8
-    e4m3 (which holds x / k_scale, x / v_scale); block_table `[R, max_blocks]`,
-    query_start_loc `[R + 1]`, seq_lens `[R]` and req_indices `[n]`, all int32. Writes row
-    `query_start_loc[req]` of `out` for each selected request, nothing else.
+    With one query per request, the Triton `decode_attention`'s contract: q, out
+    `[T, num_heads, head_dim]` (float32 or bfloat16; out contiguous; q's heads and head_dim
+    contiguous, its token stride free); k_cache, v_cache
+    `[num_blocks, block_size, num_kv_heads, head_dim]` in q's dtype or fp8 e4m3 (which holds
+    x / k_scale, x / v_scale); block_table `[R, max_blocks]`, query_start_loc `[R + 1]`,
+    seq_lens `[R]` and req_indices `[n]`, all int32. Writes the selected requests' rows of
+    `out`, nothing else. Meant for requests of at most MAX_DECODE_QUERY_LEN queries: each
+    query reads its context on its own.
     """
     args = _attention_args(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
                            req_indices, scale, out, k_scale, v_scale)  # fmt: skip
-    # Requests are shared out whole: one request is one thread's work.
     launch("kvrail_decode_attention", args, q, k_cache, v_cache, block_table, query_start_loc,
-           seq_lens, req_indices, out, work=None if req_indices.numel() > 1 else 0)  # fmt: skip
+           seq_lens, req_indices, out)  # fmt: skip
 
 
 def paged_prefill_attention(

@@ -1,11 +1,13 @@
-/* Paged decode attention on the CPU: one query token per sequence, read straight from the
- * paged KV cache through the block table (a team kernel, cpu_common.h).
+/* Paged decode attention on the CPU: a few query tokens per sequence (one for a decode; a
+ * speculative verify step's 1 + drafts), read straight from the paged KV cache through the block
+ * table (a team kernel, cpu_common.h).
  *
  * The torch path gathers every sequence's K and V into a padded copy per layer and then
  * runs SDPA over it: three passes over the context. Here each sequence reads its K once
  * (scores), then its V once (weighted sum), block by block, with no copy and no padding.
- * Work is split by sequence: a token's K (and V) rows of all kv heads are one contiguous
- * run, so each block streams through once and each row serves its GQA group.
+ * Work is split by query (`next_item`): a token's K (and V) rows of all kv heads are one
+ * contiguous run, so each block streams through once and each row serves its GQA group; a
+ * request's further queries find its context in L2. With few queries, by kv head instead.
  *
  * Reading the context is what costs (measured: the same work took 27 ms over sequential
  * blocks and 61 ms over scattered ones), so rows two blocks ahead are prefetched while this
@@ -24,6 +26,56 @@
 #endif
 
 #include "cpu_common.h"
+
+/* Work items: one query of a request and a range of its kv heads. Query i of a request's q_len
+ * sits at position seq_len - q_len + i and attends to the context up to it, computed exactly as
+ * that token's own decode step computes it (the same code over the same context length): a
+ * row's output does not depend on what else its step holds, so a speculative verify step
+ * scores its drafts bit for bit as plain decode steps would (and `cpu_backend` sends requests
+ * of up to MAX_DECODE_QUERY_LEN queries here). Items are dealt out to threads in turn:
+ * contexts of random lengths even out across threads. With fewer queries than two per thread,
+ * an item is one kv head (each head's sums are its own, so the results are the same), so that
+ * one stream's decode uses every thread. */
+struct decode_item {
+    int64_t n, count; /* where the walk is: request n of req_indices, items passed */
+    int i, g;         /* its query, and the next kv head */
+    int req, seq_len; /* the item: request, its query's context length, */
+    int g_begin, g_end; /* kv heads [g_begin, g_end), */
+    int64_t row;      /* and the query's row of q and out */
+};
+
+static int heads_per_item(const struct kvrail_attention_args *a, int num_threads) {
+    int64_t num_queries = 0;
+    for (int64_t n = 0; n < a->num_requests; n++) {
+        const int req = a->req_indices[n];
+        num_queries += a->query_start_loc[req + 1] - a->query_start_loc[req];
+    }
+    return num_queries < 2 * num_threads ? 1 : (int)a->num_kv_heads;
+}
+
+/* Moves `it` to this thread's next item; 0 when there is none. */
+static int next_item(const struct kvrail_attention_args *a, int tid, int num_threads,
+                     int heads, struct decode_item *it) {
+    const int num_kv = (int)a->num_kv_heads;
+    for (; it->n < a->num_requests; it->n++, it->i = 0) {
+        const int req = a->req_indices[it->n];
+        const int64_t first = a->query_start_loc[req];
+        const int q_len = (int)(a->query_start_loc[req + 1] - first);
+        for (; it->i < q_len; it->i++, it->g = 0)
+            while (it->g < num_kv) {
+                const int g = it->g;
+                it->g += heads;
+                if (it->count++ % num_threads != tid) continue;
+                it->req = req;
+                it->row = first + it->i;
+                it->seq_len = a->seq_lens[req] - q_len + 1 + it->i;
+                it->g_begin = g;
+                it->g_end = it->g < num_kv ? it->g : num_kv;
+                return 1;
+            }
+    }
+    return 0;
+}
 
 /* The longest context among the requests attended: the per-thread score buffers' size. */
 static int longest_context(const struct kvrail_attention_args *a) {
@@ -48,15 +100,15 @@ static int longest_context(const struct kvrail_attention_args *a) {
  * as one without side effects (gcc 12: no prefetch survived). */
 static inline __attribute__((always_inline)) void prefetch_rows(
     const struct kvrail_attention_args *a, const int32_t *blocks, int t, int seq_len,
-    int64_t row_bytes) {
+    int64_t row_bytes, int64_t begin, int64_t end) { /* the item's bytes of a row */
     const int block_size = (int)a->block_size, b = t / block_size, o = t - b * block_size;
     if (t + 2 * block_size < seq_len) {
         const char *k =
             (const char *)a->k_cache + ((int64_t)blocks[b + 2] * block_size + o) * row_bytes;
-        for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(k + i, 0, 3);
+        for (int64_t i = begin; i < end; i += 64) __builtin_prefetch(k + i, 0, 3);
     }
     const char *v = (const char *)a->v_cache + ((int64_t)blocks[b] * block_size + o) * row_bytes;
-    for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(v + i, 0, 2);
+    for (int64_t i = begin; i < end; i += 64) __builtin_prefetch(v + i, 0, 2);
 }
 
 /* Softmax weights of one head's scores, unnormalized, in place (exp(s - max)); returns their
@@ -82,30 +134,29 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int64_t stride_slot = a->num_kv_heads * hd;                                              \
     const int64_t row_bytes = stride_slot * (int64_t)sizeof(C);                                    \
     const float q_scale = a->scale * a->k_scale;                                                   \
-    const int max_seq_len = longest_context(a);                                                    \
+    const int max_seq_len = longest_context(a), heads = heads_per_item(a, num_threads);            \
     /* Per thread: scores [num_heads][max_seq_len] (+1: never a zero-size malloc), q and acc  */  \
     /* [num_heads][head_dim], each head's softmax sum. */                                         \
     float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)(max_seq_len + 1));        \
     float *qf = malloc(sizeof(float) * (size_t)num_heads * (size_t)hd);                            \
     float *acc = malloc(sizeof(float) * (size_t)num_heads * (size_t)hd);                           \
     float *sums = malloc(sizeof(float) * (size_t)num_heads);                                       \
-    /* Requests dealt out in turn: contexts of random lengths even out across threads. */        \
-    for (int64_t i = tid; i < a->num_requests; i += num_threads) {                                 \
-        const int req = a->req_indices[i];                                                         \
-        const int seq_len = a->seq_lens[req];                                                      \
-        const int32_t *blocks = a->block_table + req * a->stride_bt;                               \
-        const int64_t row = a->query_start_loc[req];                                               \
-        for (int j = 0; j < num_heads * hd; j++) {                                                 \
+    for (struct decode_item it = {0}; next_item(a, tid, num_threads, heads, &it);) {               \
+        const int seq_len = it.seq_len, h0 = it.g_begin * group, h1 = it.g_end * group;            \
+        const int32_t *blocks = a->block_table + it.req * a->stride_bt;                            \
+        const int64_t row = it.row;                                                                \
+        for (int j = h0 * hd; j < h1 * hd; j++) {                                                  \
             qf[j] = LOAD_Q(q + row * a->stride_q + j) * q_scale;                                   \
             acc[j] = 0.0f;                                                                         \
         }                                                                                          \
         /* Pass 1: scores = q . k. A token's K rows of all kv heads are one contiguous  */         \
         /* run, so the block is read as a stream and each row serves its GQA group. */             \
         for (int t = 0; t < seq_len; t++) {                                                        \
-            prefetch_rows(a, blocks, t, seq_len, row_bytes);                                       \
+            prefetch_rows(a, blocks, t, seq_len, row_bytes, it.g_begin * hd * (int64_t)sizeof(C),  \
+                          it.g_end * hd * (int64_t)sizeof(C));                                     \
             const C *k = k_cache + ((int64_t)blocks[t / block_size] * block_size                   \
                                     + t % block_size) * stride_slot;                               \
-            for (int h = 0; h < num_heads; h++) {                                                  \
+            for (int h = h0; h < h1; h++) {                                                        \
                 const C *kh = k + (h / group) * hd;                                                \
                 const float *qh = qf + h * hd;                                                     \
                 float dot = 0.0f;                                                                  \
@@ -115,7 +166,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
             }                                                                                      \
         }                                                                                          \
         /* Softmax weights, unnormalized; each head's sum divides once at the end. */              \
-        for (int h = 0; h < num_heads; h++) {                                                      \
+        for (int h = h0; h < h1; h++) {                                                            \
             float *sh = scores + (int64_t)h * max_seq_len;                                         \
             const float sum = softmax_unnormalized(sh, seq_len);                                  \
             sums[h] = sum;                                                                         \
@@ -124,7 +175,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         for (int t = 0; t < seq_len; t++) {                                                        \
             const C *v = v_cache + ((int64_t)blocks[t / block_size] * block_size                   \
                                     + t % block_size) * stride_slot;                               \
-            for (int h = 0; h < num_heads; h++) {                                                  \
+            for (int h = h0; h < h1; h++) {                                                        \
                 const C *vh = v + (h / group) * hd;                                                \
                 float *ah = acc + h * hd;                                                          \
                 const float p = scores[(int64_t)h * max_seq_len + t];                              \
@@ -132,7 +183,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                 for (int d = 0; d < hd; d++) ah[d] += p * LOAD_C(vh + d);                          \
             }                                                                                      \
         }                                                                                          \
-        for (int h = 0; h < num_heads; h++) {                                                      \
+        for (int h = h0; h < h1; h++) {                                                            \
             const float inv = seq_len > 0 ? a->v_scale / sums[h] : 0.0f;                           \
             for (int d = 0; d < hd; d++)                                                           \
                 store_float(a->out, (int)a->q_dtype, row * num_heads * hd + h * hd + d,            \
@@ -205,27 +256,27 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int64_t stride_slot = (int64_t)num_kv * hd;                                              \
     const int64_t row_bytes = stride_slot * (int64_t)sizeof(C);                                    \
     const float q_scale = a->scale * a->k_scale;                                                   \
-    const int max_seq_len = longest_context(a);                                                    \
+    const int max_seq_len = longest_context(a), heads = heads_per_item(a, num_threads);            \
     /* Per thread: scores [num_heads][padded length], q, and each head's 16 partial dots. */     \
     const int64_t stride_s = (max_seq_len + CHUNK - 1) / CHUNK * CHUNK + CHUNK;                    \
     float *scores = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * stride_s));             \
     float *qf = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * hd));                       \
     __m512 *part = aligned_alloc(64, sizeof(__m512) * (size_t)(num_heads * CHUNK));                \
-    for (int64_t i = tid; i < a->num_requests; i += num_threads) {                                 \
-        const int req = a->req_indices[i];                                                         \
-        const int seq_len = a->seq_lens[req];                                                      \
-        const int32_t *blocks = a->block_table + req * a->stride_bt;                               \
-        const int64_t row = a->query_start_loc[req];                                               \
-        for (int j = 0; j < num_heads * hd; j++)                                                   \
+    for (struct decode_item it = {0}; next_item(a, tid, num_threads, heads, &it);) {               \
+        const int seq_len = it.seq_len, g0 = it.g_begin, g1 = it.g_end;                            \
+        const int32_t *blocks = a->block_table + it.req * a->stride_bt;                            \
+        const int64_t row = it.row;                                                                \
+        for (int j = g0 * group * hd; j < g1 * group * hd; j++)                                    \
             qf[j] = LOAD_Q(q + row * a->stride_q + j) * q_scale;                                   \
         /* Pass 1: scores of 16 tokens at a time (positions of a block: no division). */         \
         for (int t0 = 0; t0 < seq_len; t0 += CHUNK) {                                              \
             const int n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;                             \
             for (int i = 0; i < n; i++) {                                                          \
                 const int t = t0 + i, b = t / block_size, o = t - b * block_size;                  \
-                prefetch_rows(a, blocks, t, seq_len, row_bytes);                                   \
+                prefetch_rows(a, blocks, t, seq_len, row_bytes, g0 * hd * (int64_t)sizeof(C),      \
+                              g1 * hd * (int64_t)sizeof(C));                                       \
                 const C *k = k_cache + ((int64_t)blocks[b] * block_size + o) * stride_slot;        \
-                for (int g = 0; g < num_kv; g++) {                                                 \
+                for (int g = g0; g < g1; g++) {                                                    \
                     __m512 kc[HEAD_DIM / CHUNK];                                                   \
                     for (int c = 0; c < nc; c++) kc[c] = LOAD16(k + g * hd + c * CHUNK);           \
                     for (int h = g * group; h < (g + 1) * group; h++) {                            \
@@ -237,14 +288,14 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                     }                                                                              \
                 }                                                                                  \
             }                                                                                      \
-            for (int h = 0; h < num_heads; h++) {                                                  \
+            for (int h = g0 * group; h < g1 * group; h++) {                                        \
                 for (int i = n; i < CHUNK; i++) part[h * CHUNK + i] = _mm512_setzero_ps();         \
                 _mm512_store_ps(scores + h * stride_s + t0, sum16(part + h * CHUNK));              \
             }                                                                                      \
         }                                                                                          \
         /* Softmax weights, unnormalized; each head's sum divides once at the end. */              \
         float inv[num_heads];                                                                      \
-        for (int h = 0; h < num_heads; h++) {                                                      \
+        for (int h = g0 * group; h < g1 * group; h++) {                                            \
             float *sh = scores + h * stride_s;                                                     \
             const float sum = softmax_unnormalized(sh, seq_len);                                  \
             inv[h] = seq_len > 0 ? a->v_scale / sum : 0.0f;                                        \
@@ -252,7 +303,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         /* Pass 2: per kv head, V streams by once while the outputs of up to HEADS_PER_PASS */  \
         /* of its query heads accumulate in registers: heads x chunks independent sums, so */     \
         /* the FMAs do not wait on each other. */                                                  \
-        for (int g = 0; g < num_kv; g++)                                                           \
+        for (int g = g0; g < g1; g++)                                                              \
             for (int h0 = g * group; h0 < (g + 1) * group; h0 += HEADS_PER_PASS) {                 \
                 const int left = (g + 1) * group - h0;                                             \
                 const int nh = left < HEADS_PER_PASS ? left : HEADS_PER_PASS;                      \
@@ -356,7 +407,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int64_t stride_slot = (int64_t)num_kv * hd;                                              \
     const int64_t row_bytes = stride_slot * (int64_t)sizeof(C);                                    \
     const __m512 score_scale = _mm512_set1_ps(a->scale * a->k_scale);                              \
-    const int max_seq_len = longest_context(a);                                                    \
+    const int max_seq_len = longest_context(a), heads = heads_per_item(a, num_threads);            \
     __m512i lut[4];                                                                                \
     e4m3_table(lut);                                                                               \
     /* Per thread: scores [num_heads][padded length] in fp32, then as bf16 weights; each */     \
@@ -365,19 +416,19 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     float *scores = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * stride_s));             \
     uint16_t *weights = aligned_alloc(64, sizeof(uint16_t) * (size_t)(num_heads * stride_s));      \
     __m512 *part = aligned_alloc(64, sizeof(__m512) * (size_t)(num_heads * CHUNK));                \
-    for (int64_t i = tid; i < a->num_requests; i += num_threads) {                                 \
-        const int req = a->req_indices[i];                                                         \
-        const int seq_len = a->seq_lens[req];                                                      \
-        const int32_t *blocks = a->block_table + req * a->stride_bt;                               \
-        const uint16_t *qr = q + a->query_start_loc[req] * a->stride_q;                            \
+    for (struct decode_item it = {0}; next_item(a, tid, num_threads, heads, &it);) {               \
+        const int seq_len = it.seq_len, g0 = it.g_begin, g1 = it.g_end;                            \
+        const int32_t *blocks = a->block_table + it.req * a->stride_bt;                            \
+        const uint16_t *qr = q + it.row * a->stride_q;                                             \
         /* Pass 1: scores of 16 tokens at a time, as in the AVX-512 path. */                      \
         for (int t0 = 0; t0 < seq_len; t0 += CHUNK) {                                              \
             const int n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;                             \
             for (int i = 0; i < n; i++) {                                                          \
                 const int t = t0 + i, b = t / block_size, o = t - b * block_size;                  \
-                prefetch_rows(a, blocks, t, seq_len, row_bytes);                                   \
+                prefetch_rows(a, blocks, t, seq_len, row_bytes, g0 * hd * (int64_t)sizeof(C),      \
+                              g1 * hd * (int64_t)sizeof(C));                                       \
                 const C *k = k_cache + ((int64_t)blocks[b] * block_size + o) * stride_slot;        \
-                for (int g = 0; g < num_kv; g++) {                                                 \
+                for (int g = g0; g < g1; g++) {                                                    \
                     __m512i kc[HEAD_DIM / 32];                                                     \
                     for (int c = 0; c < nc; c++) kc[c] = LOAD32(k + g * hd + c * 32, lut);         \
                     for (int h = g * group; h < (g + 1) * group; h++) {                            \
@@ -389,7 +440,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                     }                                                                              \
                 }                                                                                  \
             }                                                                                      \
-            for (int h = 0; h < num_heads; h++) {                                                  \
+            for (int h = g0 * group; h < g1 * group; h++) {                                        \
                 for (int i = n; i < CHUNK; i++) part[h * CHUNK + i] = _mm512_setzero_ps();         \
                 _mm512_store_ps(scores + h * stride_s + t0,                                        \
                                 _mm512_mul_ps(sum16(part + h * CHUNK), score_scale));              \
@@ -398,7 +449,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         /* Softmax weights, unnormalized, rounded to bf16 (zero past the context: pass 2 */       \
         /* reads them in pairs); each head's sum divides once at the end. */                       \
         float inv[num_heads];                                                                      \
-        for (int h = 0; h < num_heads; h++) {                                                      \
+        for (int h = g0 * group; h < g1 * group; h++) {                                            \
             float *sh = scores + h * stride_s;                                                     \
             const float sum = softmax_unnormalized(sh, seq_len);                                  \
             for (int t = seq_len; t < (seq_len + 1) / 2 * 2; t++) sh[t] = 0.0f;                    \
@@ -411,7 +462,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         /* Pass 2: per kv head, V streams by two tokens at a time while up to HEADS_PER_PASS */   \
         /* query heads accumulate in registers. Lane j of o[.][2c] holds dimension */             \
         /* 32c + 8(j/4) + j%4, of o[.][2c+1] that plus 4: how the unpacks interleave. */          \
-        for (int g = 0; g < num_kv; g++)                                                           \
+        for (int g = g0; g < g1; g++)                                                              \
             for (int h0 = g * group; h0 < (g + 1) * group; h0 += HEADS_PER_PASS) {                 \
                 const int left = (g + 1) * group - h0;                                             \
                 const int nh = left < HEADS_PER_PASS ? left : HEADS_PER_PASS;                      \
@@ -447,7 +498,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                         _mm512_storeu_ps(res, _mm512_mul_ps(o[j][c], _mm512_set1_ps(inv[h0 + j]))); \
                         for (int l = 0; l < 16; l++)                                               \
                             store_float(a->out, KVRAIL_BF16,                                       \
-                                        a->query_start_loc[req] * num_heads * hd + (h0 + j) * hd  \
+                                        it.row * num_heads * hd + (h0 + j) * hd                    \
                                             + c / 2 * 32 + l / 4 * 8 + c % 2 * 4 + l % 4,         \
                                         res[l]);                                                   \
                     }                                                                              \

@@ -653,7 +653,7 @@ struct kvrail_float_linear_args {
 };
 
 #ifdef KVRAIL_AMX_BF16
-/* bf16 with AMX-BF16, for 2..16 tokens: W is the A operand as it lies (a tile is 16 weight
+/* bf16 with AMX-BF16, for 7..16 tokens: W is the A operand as it lies (a tile is 16 weight
  * rows x 32 k, rows K apart), x the B operand (32 k x M tokens, pairs of k per 32-bit lane,
  * packed per thread, a few KiB), so one tdpbf16ps adds 16 x M x 32 products and the sums are
  * 16 outputs x M tokens. Each pass holds 4 such sums (64 output columns, or 2 x 16 gate and
@@ -663,7 +663,14 @@ struct kvrail_float_linear_args {
  * (`benchmarks.linear_kernels`, two runs each, a shared and noisy machine), time against
  * M = 1 in the same run, vector kernel -> tiles: M = 3 1.54 / 1.33 -> 0.85 / 1.21, M = 4
  * 1.79 / 1.53 -> 0.96 / 1.16, M = 8 3.0 / 2.7 -> 1.46 / 1.05, M = 16 5.9 / 5.1 -> 1.9 / 1.7;
- * M = 2 about even (1.24 / 1.27 -> 1.35 / 1.12). */
+ * M = 2 about even (1.24 / 1.27 -> 1.35 / 1.12).
+ * Up to 6 tokens (one vector tile of rows) stay on the vector kernel all the same: each of its
+ * rows is summed by the same instructions in the same order as a single token's, where the
+ * tile unit's sums round differently, so a speculative verify step of up to 5 drafts scores
+ * every position bit for bit as a decode step would, and greedy speculation in bf16 changes no
+ * token (`tests/engine/test_spec_decode.py`). It costs little where the weights stream from
+ * memory: a verify step of 5 tokens of SmolLM2-135M in a CPU graph, 2 vCPUs of an AMX Xeon,
+ * 15.4 ms on the tiles against 15.8 on the vector kernel (and its LM head 1.7 against 2.2). */
 #define AMX_BF16_K 32     /* k per tile step: 32 bf16, one 64-byte tile row */
 #define AMX_BF16_MAX_M 16 /* tokens: the columns of one sum tile */
 
@@ -765,7 +772,7 @@ void kvrail_linear_float(const struct kvrail_float_linear_args *a, int tid, int 
     const int64_t esize = dtype_size(a->dtype);
     int64_t begin, end;
 #ifdef KVRAIL_AMX_BF16
-    if (a->dtype == KVRAIL_BF16 && M >= 2 && M <= AMX_BF16_MAX_M && K % AMX_BF16_K == 0
+    if (a->dtype == KVRAIL_BF16 && M > BF16_DOT_ROWS && M <= AMX_BF16_MAX_M && K % AMX_BF16_K == 0
         && amx_usable()) {
         thread_range(N, 16, tid, num_threads, &begin, &end);
         const int64_t tiled_end = begin + (end - begin) / 16 * 16;

@@ -8,7 +8,11 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention import FP8_DTYPE, default_attn_backend
-from engine.kernels.cpu_attention import paged_decode_attention, paged_prefill_attention
+from engine.kernels.cpu_attention import (
+    MAX_DECODE_QUERY_LEN,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
 from engine.kernels.decode_attention import decode_attention_ref
 from engine.kernels.prefill_attention import prefill_attention_ref
 from tests.engine.test_kernels import (
@@ -88,6 +92,53 @@ def test_kernel_decodes_every_e4m3_value_exactly(dtype, head_dim):
         one + 1, one, 1.0, out, k_scale=1.0, v_scale=0.75,
     )  # fmt: skip
     assert torch.equal(out.flatten().float(), 0.75 * values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kernel_scores_verify_steps_as_decode_steps(dtype, head_dim, fp8):
+    """Requests of several queries (speculative verify steps: 1 + drafts; the most the decode
+    kernel is meant for; a chunk over cached context): every query matches the causal
+    reference and is bit for bit the output of its own one-query decode step, whatever else
+    the call holds (1, 2 or 4 threads: items are single kv heads or whole queries)."""
+    block_size, num_heads, num_kv_heads = 8, 6, 3
+    query_lens = [5, 1, MAX_DECODE_QUERY_LEN, 3, 0]
+    seq_lens = torch.tensor([21, 1, 9 + block_size, block_size, 4], dtype=torch.int32)
+    query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(query_lens).cumsum(0)
+    k_cache, v_cache, block_table = paged_cache(
+        seq_lens.tolist(), block_size, num_kv_heads, torch.float32, head_dim=head_dim
+    )
+    scales = FP8_SCALES if fp8 else {}
+    k_cache, v_cache = to_fp8(k_cache, v_cache) if fp8 else (k_cache.to(dtype), v_cache.to(dtype))
+    q = torch.randn(sum(query_lens), num_heads, head_dim).to(dtype)
+    every_request = torch.arange(len(query_lens), dtype=torch.int32)
+    expected = prefill_attention_ref(
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens, 0.3, **scales
+    )
+    # Each query as its own decode: context up to its position, one request per row.
+    rows = [(r, i) for r, n in enumerate(query_lens) for i in range(n)]
+    alone = torch.full_like(q, float("nan"))
+    paged_decode_attention(
+        q, k_cache, v_cache, block_table[[r for r, _ in rows]],
+        torch.arange(len(rows) + 1, dtype=torch.int32),
+        torch.tensor([seq_lens[r] - query_lens[r] + 1 + i for r, i in rows], dtype=torch.int32),
+        torch.arange(len(rows), dtype=torch.int32), 0.3, alone, **scales,
+    )  # fmt: skip
+    previous = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2, 4):
+            torch.set_num_threads(num_threads)
+            out = torch.full_like(q, float("nan"))
+            paged_decode_attention(
+                q, k_cache, v_cache, block_table, query_start_loc, seq_lens, every_request, 0.3,
+                out, **scales,
+            )  # fmt: skip
+            torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+            assert torch.equal(out, alone), f"{num_threads} threads"
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_kernel_writes_only_the_selected_requests_rows():

@@ -133,8 +133,8 @@ def test_w8a8_is_close_to_the_float_linear(m):
     assert (out - expected).norm() / expected.norm() < 0.02
 
 
-# 2-16 tokens over k a multiple of 32 take the AMX-BF16 path in bf16 where the CPU has it;
-# 52 and 100 columns leave a remainder of 16 to the vector path.
+# 7-16 tokens over k a multiple of 32 take the AMX-BF16 path in bf16 where the CPU has it;
+# 100 columns leave a remainder of 4 to the vector path.
 FLOAT_CASES = [
     *LINEAR_CASES[:3],
     (5, 52, 64, True, True),
@@ -155,6 +155,54 @@ def test_float_kernel_matches_torch(dtype, m, n, k, silu_mul, has_bias):
         expected = silu_and_mul_ref(expected)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), expected, **tol)
+
+
+def _at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of `t` starting `offset` elements into a fresh buffer: other addresses, so a
+    kernel whose code path depends on them (alignment, alias checks) shows it."""
+    buffer = torch.zeros(t.numel() + offset, dtype=t.dtype)
+    out = buffer[offset:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_do_not_depend_on_the_batch(dtype):
+    """A verify step's rows must equal those of decode steps bit for bit (greedy speculation
+    then changes no token, in bf16 too): every per-token kernel, on a row of a batch and on
+    the same row alone at other addresses. The float linear holds it up to 6 rows (one
+    vector tile; the tile unit takes more, `cpu_linear.c`)."""
+    gen = torch.Generator().manual_seed(3)
+    hidden, heads, kv_heads, head_dim = 96, 9, 3, 64  # SmolLM2's heads
+    x = torch.randn(6, hidden, generator=gen).to(dtype)
+    residual = torch.randn(6, hidden, generator=gen).to(dtype)
+    weight = torch.randn(hidden, generator=gen).to(dtype)
+    w = torch.randn(2 * 40, hidden, generator=gen).to(dtype)
+    cache = build_cos_sin_cache(1.0 / 10000 ** (torch.arange(0, head_dim, 2) / head_dim), 512)
+    qkv = torch.randn(6, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype) * 4
+    positions = torch.tensor([290, 291, 292, 293, 294, 17])
+
+    def rotate(rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        q = rows[:, : heads * head_dim].view(-1, heads, head_dim)
+        k = rows[:, heads * head_dim : (heads + kv_heads) * head_dim].view(-1, kv_heads, head_dim)
+        cpu_ops.rotary_embedding(pos, q, k, cache)
+        return rows
+
+    batch_norm = cpu_ops.rms_norm(x, weight, 1e-6, residual.clone())
+    batch_rotated = rotate(qkv.clone(), positions)
+    for m in range(1, 7):
+        batch_linear = cpu_linear.linear_float(x[:m], w, None, True)
+        for i in range(m):
+            alone = cpu_linear.linear_float(x[i : i + 1], w, None, True)
+            assert torch.equal(batch_linear[i], alone[0])
+    for offset in range(0, 40, 3):
+        for i in range(6):
+            row, res = (_at_offset(t[i : i + 1], offset) for t in (x, residual))
+            out, summed = cpu_ops.rms_norm(row, weight, 1e-6, res)
+            assert torch.equal(out[0], batch_norm[0][i])
+            assert torch.equal(summed[0], batch_norm[1][i])
+            alone = rotate(_at_offset(qkv[i : i + 1], offset), positions[i : i + 1])
+            assert torch.equal(alone[0], batch_rotated[i]), (offset, i)
 
 
 def test_linear_kernels_reject_what_they_cannot_read():

@@ -140,8 +140,9 @@ def test_greedy_outputs_equal_plain_decoding(target, draft, plain_outputs, metho
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_every_attention_backend_verifies_drafts(draft, backend):
     """Verify steps are prefill-shaped (k + 1 queries over cached context) on every backend;
-    the `cpu` one runs them in the tests above, as graphs when one request verifies. (The
-    draft fixture is the model here: its text repeats soon, so drafts come early.)"""
+    the `cpu` one runs them in the tests above (its decode kernel, as graphs when one request
+    verifies). (The draft fixture is the model here: its text repeats soon, so drafts come
+    early.)"""
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     kwargs = dict(dtype="float32", block_size=8, attention_backend=backend)
     plain = LLM(str(draft), **kwargs).generate(PROMPTS[0], params)
@@ -180,18 +181,27 @@ def test_a_resumed_request_goes_on_with_drafts(target):
     assert_pool_free(llm)
 
 
-def test_the_default_model_is_lossless_in_fp32():
-    """SmolLM2 copying a passage: drafts are mostly accepted, the text is the plain one."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("k", [K, 5])
+def test_the_default_model_is_lossless(dtype, k):
+    """SmolLM2 copying a passage, one request: drafts are mostly accepted, and text and
+    logprobs are the plain ones bit for bit, in bf16 too. On the `cpu` backend a verify step
+    of up to 5 drafts computes each position exactly as its decode step would (the decode
+    kernel takes its queries, the float linear and the small ops its rows, each exactly as
+    alone); in bf16 a rounding apart is enough to change SmolLM2's greedy text."""
     passage = (
         "The river rises in the northern hills, runs south through three market towns, and "
         "meets the sea at a wide estuary where the old harbour still stands."
     )
     messages = [{"role": "user", "content": f"Repeat this sentence exactly:\n{passage}"}]
-    params = SamplingParams(temperature=0, max_tokens=48)
-    plain = LLM(dtype="float32").chat(messages, params)[0].outputs[0]
-    llm = LLM(dtype="float32", speculative_config=NGRAM)
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=2)
+    plain = LLM(dtype=dtype).chat(messages, params)[0].outputs[0]
+    llm = LLM(dtype=dtype, speculative_config={**NGRAM, "num_speculative_tokens": k})
     spec = llm.chat(messages, params)[0].outputs[0]
     assert spec.token_ids == plain.token_ids
+    assert [{t: lp.logprob for t, lp in d.items()} for d in spec.logprobs] == [
+        {t: lp.logprob for t, lp in d.items()} for d in plain.logprobs
+    ]
     stats = llm.llm_engine.get_stats()
     assert stats.spec_decode_num_accepted_tokens > stats.spec_decode_num_draft_tokens / 2
     assert_pool_free(llm)
