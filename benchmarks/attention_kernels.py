@@ -1,8 +1,9 @@
 """The CPU's attention kernels on the shapes a step gives them, one layer at a time.
 
-The `cpu` backend sends every step's queries to one of two C kernels: one query token per
-sequence to the decode kernel, anything longer (prompts, prompt chunks over cached context,
-speculative verify steps of 1 + k queries) to the prompt kernel. This times both on the
+The `cpu` backend sends every step's queries to one of two C kernels: up to
+`MAX_DECODE_QUERY_LEN` query tokens per sequence (decodes, speculative verify steps of 1 + k
+queries) to the decode kernel, anything longer (prompts, prompt chunks over cached context) to
+the prompt kernel; verify steps are timed on both. This times them on the
 default model's head layout over a paged cache of random blocks, the cases taking turns
 within each round, and reports the median time per layer and the arithmetic rate (QK^T and
 PV, causal: only the scores a query attends to). Each turn calls its case `--repeats` times
@@ -103,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [(f"prompts 4 x {n}", "prompt", [n] * 4, [n] * 4) for n in args.prompt_lens]
     shapes.append((f"decode, {args.context_len} cached", "decode", [1], [args.context_len]))
     shapes += [
-        (f"verify {q} queries, {args.context_len} cached", "prompt", [q], [args.context_len])
+        (f"verify {q} queries, {args.context_len} cached", kernel, [q], [args.context_len])
         for q in args.verify_queries
+        for kernel in ("decode", "prompt")
     ]
     kernels = {"prompt": paged_prefill_attention, "decode": paged_decode_attention}
     cases = [
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
          attended_flop(heads, q, s))
         for label, kernel, q, s in shapes
     ]  # fmt: skip
-    times: dict[str, list[float]] = {label: [] for label, *_ in cases}
+    times: dict[tuple[str, str], list[float]] = {(c[0], c[1].__name__): [] for c in cases}
     for _, kernel, tensors, _ in cases:  # warm-up
         kernel(**tensors)
     for _ in range(args.rounds):
@@ -121,10 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             for _ in range(args.repeats):
                 kernel(**tensors)
-            times[label].append((time.perf_counter() - start) / args.repeats)
+            times[label, kernel.__name__].append((time.perf_counter() - start) / args.repeats)
     results = []
     for label, kernel, _, flop in cases:
-        seconds = statistics.median(times[label])
+        seconds = statistics.median(times[label, kernel.__name__])
         results.append(
             dict(case=label, kernel=kernel.__name__, us=1e6 * seconds, gflops=flop / seconds / 1e9)
         )
