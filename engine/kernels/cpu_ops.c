@@ -7,7 +7,6 @@
  * normalized value are rounded to the activation dtype, as HF's RMSNorm does).
  */
 #include <math.h>
-#include <stdlib.h>
 
 #include "cpu_common.h"
 
@@ -91,8 +90,7 @@ void kvrail_rms_norm(const struct kvrail_rms_norm_args *a, int tid, int num_thre
     int64_t begin, end;
     thread_range(a->num_tokens, 1, tid, num_threads, &begin, &end);
     if (begin >= end) return;
-    float *row = malloc(sizeof(float) * (size_t)n), *other = malloc(sizeof(float) * (size_t)n);
-    float *weight = malloc(sizeof(float) * (size_t)n);
+    float row[n], other[n], weight[n];
     load_row(a->weight, (int)a->weight_dtype, 0, n, weight);
     for (int64_t t = begin; t < end; t++)
         for (int64_t h = 0; h < a->num_heads; h++) {
@@ -118,9 +116,6 @@ void kvrail_rms_norm(const struct kvrail_rms_norm_args *a, int tid, int num_thre
             }
             store_row(a->out, dtype, t * a->stride_out + h * n, n, other);
         }
-    free(row);
-    free(other);
-    free(weight);
 }
 
 struct kvrail_rotary_args {
