@@ -3,10 +3,10 @@
 The `cpu` backend sends every step's queries to one of two C kernels: up to
 `MAX_DECODE_QUERY_LEN` query tokens per sequence (decodes, speculative verify steps of 1 + k
 queries) to the decode kernel, anything longer (prompts, prompt chunks over cached context) to
-the prompt kernel; verify steps are timed on both. This times them on the
-default model's head layout over a paged cache of random blocks, the cases taking turns
-within each round, and reports the median time per layer and the arithmetic rate (QK^T and
-PV, causal: only the scores a query attends to). Each turn calls its case `--repeats` times
+the prompt kernel; verify steps are timed on both, and prompts on torch's dense SDPA too, as a
+yardstick. This times them on the default model's head layout over a paged cache of random
+blocks, the cases taking turns within each round, and reports the median time per layer and
+the arithmetic rate (QK^T and PV, causal: only the scores a query attends to). Each turn calls its case `--repeats` times
 after one untimed call, so the case's cache and queries sit in the CPU's caches: like
 `linear_kernels.py` this times the kernels, not DRAM (a case run right after the 4 x 512
 prompts, cold, took 2-5x longer on a 2-vCPU AVX2 EPYC).
@@ -80,6 +80,13 @@ def make_case(
     )
 
 
+def dense_sdpa(query: Any, key: Any, value: Any) -> Any:
+    """torch's causal SDPA over `[4, heads, n, head_dim]` tensors, kv heads shared (GQA)."""
+    import torch.nn.functional as F
+
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+
+
 def attended_flop(heads: tuple[int, int, int], q_lens: list[int], seq_lens: list[int]) -> float:
     """QK^T and PV over the keys each query sees (causal), 2 flop a multiply-add."""
     num_heads, _, head_dim = heads
@@ -114,6 +121,15 @@ def main(argv: list[str] | None = None) -> int:
          attended_flop(heads, q, s))
         for label, kernel, q, s in shapes
     ]  # fmt: skip
+    # torch's SDPA on the same prompts, dense and contiguous (what a fresh prompt's own q, k
+    # and v could go through without the paged cache): a yardstick for the prompt kernel.
+    for n in args.prompt_lens:
+        dense = {
+            name: torch.randn(4, h, n, heads[2]).to(dtype)
+            for name, h in (("query", heads[0]), ("key", heads[1]), ("value", heads[1]))
+        }
+        flop = attended_flop(heads, [n] * 4, [n] * 4)
+        cases.append((f"prompts 4 x {n}", dense_sdpa, dense, flop))
     times: dict[tuple[str, str], list[float]] = {(c[0], c[1].__name__): [] for c in cases}
     for _, kernel, tensors, _ in cases:  # warm-up
         kernel(**tensors)
