@@ -6,10 +6,10 @@ queries) to the decode kernel, anything longer (prompts, prompt chunks over cach
 the prompt kernel; verify steps are timed on both, and prompts on torch's dense SDPA too, as a
 yardstick. This times them on the default model's head layout over a paged cache of random
 blocks, the cases taking turns within each round, and reports the median time per layer and
-the arithmetic rate (QK^T and PV, causal: only the scores a query attends to). Each turn calls its case `--repeats` times
-after one untimed call, so the case's cache and queries sit in the CPU's caches: like
-`linear_kernels.py` this times the kernels, not DRAM (a case run right after the 4 x 512
-prompts, cold, took 2-5x longer on a 2-vCPU AVX2 EPYC).
+the arithmetic rate (QK^T and PV, causal: only the scores a query attends to). Each turn
+calls its case `--repeats` times after one untimed call, so the case's cache and queries sit
+in the CPU's caches: like `linear_kernels.py` this times the kernels, not DRAM (a case run
+right after the 4 x 512 prompts, cold, took 2-5x longer on a 2-vCPU AVX2 EPYC).
 
     python -m benchmarks.attention_kernels --context-len 400 --verify-queries 5,8
 """

@@ -11,10 +11,13 @@ per layer for 48 sequences of 432 tokens on 2 AVX2 cores, against 3-4 ms in
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
+import torch.nn.functional as F
 
 from engine.config import MAX_NUM_SPECULATIVE_TOKENS
+from engine.kernels.cpu_build import cpu_flags
 from engine.kernels.cpu_runtime import dtype_code, launch
 
 # q / out dtypes; the cache holds the same dtype or fp8 e4m3 (with scales)
@@ -25,6 +28,36 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # (greedy speculation then changes no token, in bf16 too). The decode kernel reads the context
 # once per query (from L2 after the first); the prompt kernel, once per 16 queries.
 MAX_DECODE_QUERY_LEN = 1 + MAX_NUM_SPECULATIVE_TOKENS
+
+
+# Fresh prompts (no cached context) of at least this many tokens go through torch's SDPA on the
+# step's own q, k and v, in bf16 on CPUs with AMX-BF16, where it multiplies on the tile unit:
+# one prompt on 2 vCPUs of an AMX Xeon, with the transposes, 128 tokens 120 us against 210 in
+# the prompt kernel, 512 tokens 1.0 ms against 2.6 (`benchmarks.attention_kernels` has both
+# kernels side by side); at 64 tokens they are even. Elsewhere (an AVX512-BF16 EPYC: 39-60
+# GFLOP/s against the prompt kernel's 64-86) the prompt kernel is the faster.
+DENSE_PROMPT_MIN_LEN = 64
+
+
+@functools.cache
+def dense_prompts_supported() -> bool:
+    return "amx_bf16" in cpu_flags()
+
+
+def dense_prompt_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
+    """Causal attention of one fresh prompt's q `[L, num_heads, head_dim]` to its own k, v
+    `[L, num_kv_heads, head_dim]` through torch's SDPA, into out `[L, num_heads, head_dim]`."""
+    attended = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
+    out.copy_(attended[0].transpose(0, 1))
 
 
 def supports_head_dim(head_dim: int) -> bool:

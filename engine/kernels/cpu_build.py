@@ -32,6 +32,11 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    return frozenset(_cpu_signature().partition(":")[2].split())
+
+
 def _cpu_signature() -> str:
     """What `-march=native` depends on: a library built for another CPU may not run here."""
     try:

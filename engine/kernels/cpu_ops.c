@@ -164,19 +164,28 @@ struct kvrail_silu_and_mul_args {
     int64_t dtype, num_tokens, width, stride_x, stride_out;
 };
 
+/* On fp32 copies of the row, as rms_norm, so that expf vectorizes (libmvec): with a dtype test
+ * per element it ran one expf at a time (measured on 2 vCPUs of an AMX Xeon, a bf16 prompt
+ * step of 2048 tokens of SmolLM2-135M: 89 ms of its 30 calls). */
 void kvrail_silu_and_mul(const struct kvrail_silu_and_mul_args *a, int tid, int num_threads) {
     const int dtype = (int)a->dtype;
+    const int64_t n = a->width;
     int64_t begin, end;
     thread_range(a->num_tokens, 1, tid, num_threads, &begin, &end);
-    for (int64_t t = begin; t < end; t++)
-        for (int64_t n = 0; n < a->width; n++) {
-            const float gate = load_float(a->x, dtype, t * a->stride_x + n);
-            const float up = load_float(a->x, dtype, t * a->stride_x + a->width + n);
-            float silu = gate / (1.0f + expf(-gate));
+    if (begin >= end) return;
+    float gate[n], up[n];
+    for (int64_t t = begin; t < end; t++) {
+        load_row(a->x, dtype, t * a->stride_x, n, gate);
+        load_row(a->x, dtype, t * a->stride_x + n, n, up);
+#pragma omp simd
+        for (int64_t k = 0; k < n; k++) {
+            float silu = gate[k] / (1.0f + expf(-gate[k]));
             /* Rounded before the multiply, as `F.silu(gate) * up` does. */
             if (dtype == KVRAIL_BF16) silu = bf16_to_f32(f32_to_bf16(silu));
-            store_float(a->out, dtype, t * a->stride_out + n, silu * up);
+            gate[k] = silu * up[k];
         }
+        store_row(a->out, dtype, t * a->stride_out, n, gate);
+    }
 }
 
 /* float -> fp8 e4m3 (finite variant: no infinities, 0x7f is NaN), round to nearest even,
