@@ -32,15 +32,18 @@ MAX_DECODE_QUERY_LEN = 1 + MAX_NUM_SPECULATIVE_TOKENS
 
 # Fresh prompts (no cached context) of at least this many tokens go through torch's SDPA on the
 # step's own q, k and v, in bf16 on CPUs with AMX-BF16, where it multiplies on the tile unit:
-# one prompt on 2 vCPUs of an AMX Xeon, with the transposes, 128 tokens 120 us against 210 in
-# the prompt kernel, 512 tokens 1.0 ms against 2.6 (`benchmarks.attention_kernels` has both
-# kernels side by side); at 64 tokens they are even. Elsewhere (an AVX512-BF16 EPYC: 39-60
-# GFLOP/s against the prompt kernel's 64-86) the prompt kernel is the faster.
+# on 2 vCPUs of an AMX Xeon (`python -m benchmarks.attention_kernels --prompt-lens 64,128,512`,
+# `results/attention_kernels-amx.md`), 4 prompts of 64 / 128 / 512 tokens took 0.10 / 0.30 /
+# 3.2 ms in it against 0.28 / 0.82 / 10.0 in the prompt kernel. The backend calls it a prompt
+# at a time, with a transpose in and out, so shorter prompts, where that fixed cost counts
+# most, stay on the kernel. Elsewhere (an AVX512-BF16 EPYC: 39-60 GFLOP/s against the prompt
+# kernel's 64-86) the prompt kernel is the faster.
 DENSE_PROMPT_MIN_LEN = 64
 
 
 @functools.cache
 def dense_prompts_supported() -> bool:
+    """Whether this CPU has AMX-BF16, the tile unit torch's SDPA runs bf16 on."""
     return "amx_bf16" in cpu_flags()
 
 
