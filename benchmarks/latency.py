@@ -10,8 +10,13 @@ for `--rounds` rounds so that the machine's slow spells fall on all of them alik
   from the difference of a 1-token and an N-token generate;
 - `llama.cpp`: a native build's `llama-bench -p P -n N` on the same GGUF (`--llama-bench`,
   default: `llama-bench` on PATH; see benchmarks/README.md for the build);
-- `baseline`: kvrail at git ref `--baseline-ref` (a worktree of it, run in a child process
-  over the same prompt): the before of a before/after.
+- `baseline`: kvrail at git ref `--baseline-ref` (a worktree of it) over the same prompt: the
+  before of a before/after.
+
+Every kvrail system runs in a child process of its own (this checkout's, or the baseline's
+worktree), so that they compare like with like: on an AMX Xeon the same code timed in this
+process ran 7% slower than in a child (0.93x over 5 rounds), the cause not found. HF still
+runs in this process: its rate may be a few percent under what it would be alone.
 
 Also reported: the bytes of every weight of the default and the int8 model.
 
@@ -57,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads")
     add("--seed", type=int, default=0)
     add("--name", default="latency", help="results/<name>.json and .md")
-    add("--child", action="store_true", help=argparse.SUPPRESS)  # the baseline's process
+    add("--child", action="store_true", help=argparse.SUPPRESS)  # a kvrail system's process
+    add("--child-quantization", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.systems = args.systems.split(",")
     unknown = set(args.systems) - set(SYSTEMS)
@@ -67,8 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------------------------
-# kvrail: in this process, or (the baseline) in a child on another checkout. Only `engine`'s
-# public API and the standard library are used here, so the child runs old code too.
+# kvrail: each system in a child process, on this checkout or (the baseline) another. Only
+# `engine`'s public API and the standard library are used here, so the child runs old code too.
 # --------------------------------------------------------------------------------------------
 
 
@@ -92,39 +98,56 @@ def time_kvrail(engine: Any, prompt: list[int], output_len: int) -> dict[str, fl
     return {"ttft_s": first - start, "decode_tok_s": (output_len - 1) / (end - first)}
 
 
-def child_main() -> int:
-    """The baseline: load the engine, then time one request per line of stdin (JSON)."""
+def child_main(args: argparse.Namespace) -> int:
+    """A kvrail system: load the engine, say so (with its weights' dtype and bytes, which the
+    baseline's older engine may not tell), then time one request per line of stdin (JSON)."""
     from engine import LLM
 
-    engine = LLM().llm_engine
-    print(json.dumps({"ready": True}), flush=True)
+    kwargs = {"quantization": args.child_quantization} if args.child_quantization else {}
+    engine = LLM(args.model, **kwargs).llm_engine
+    ready: dict[str, Any] = {"ready": True}
+    try:
+        model = engine.engine_core.model_runner.model
+        ready["dtype"] = args.child_quantization or str(model.model.dtype).removeprefix("torch.")
+        ready["weight_bytes"] = weight_bytes(model)
+    except AttributeError:
+        pass
+    print(json.dumps(ready), flush=True)
     for line in sys.stdin:
         job = json.loads(line)
         print(json.dumps(time_kvrail(engine, job["prompt"], job["output_len"])), flush=True)
     return 0
 
 
-class Baseline:
-    """kvrail at another git ref: a detached worktree and a child process timing on demand."""
+class ChildEngine:
+    """A kvrail system in a child process timing on demand: this checkout, or `ref` in a
+    detached worktree."""
 
-    def __init__(self, ref: str) -> None:
+    def __init__(self, model: str | None, ref: str | None, quantization: str | None) -> None:
         root = Path(__file__).resolve().parent.parent
-        self.worktree = Path(tempfile.mkdtemp(prefix="kvrail-baseline-"))
-        subprocess.run(
-            ["git", "-C", str(root), "worktree", "add", "--detach", str(self.worktree), ref],
-            check=True,
-            capture_output=True,
-        )
-        env = {**os.environ, "PYTHONPATH": str(self.worktree)}
+        self.worktree = None
+        if ref is not None:
+            self.worktree = Path(tempfile.mkdtemp(prefix="kvrail-baseline-"))
+            subprocess.run(
+                ["git", "-C", str(root), "worktree", "add", "--detach", str(self.worktree), ref],
+                check=True,
+                capture_output=True,
+            )
+        tree = self.worktree or root
+        command = [sys.executable, str(Path(__file__).resolve()), "--child"]
+        if model is not None:
+            command += ["--model", model]
+        if quantization is not None:
+            command += ["--child-quantization", quantization]
         self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--child"],
+            command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=env,
-            cwd=self.worktree,
+            env={**os.environ, "PYTHONPATH": str(tree)},
+            cwd=tree,
         )
-        self._read()  # loaded
+        self.ready = self._read()  # loaded
 
     def _read(self) -> dict[str, Any]:
         line = self.process.stdout.readline()
@@ -140,12 +163,13 @@ class Baseline:
     def close(self) -> None:
         self.process.stdin.close()
         self.process.wait(timeout=60)
-        root = Path(__file__).resolve().parent.parent
-        subprocess.run(
-            ["git", "-C", str(root), "worktree", "remove", "--force", str(self.worktree)],
-            check=False,
-            capture_output=True,
-        )
+        if self.worktree is not None:
+            root = Path(__file__).resolve().parent.parent
+            subprocess.run(
+                ["git", "-C", str(root), "worktree", "remove", "--force", str(self.worktree)],
+                check=False,
+                capture_output=True,
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,13 +291,11 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], info: dict[str
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        return child_main()
+        return child_main(args)
     import torch
 
     from benchmarks.common import corpus_token_ids, make_workload, write_results
-    from benchmarks.peers import HFRunner
-    from engine import LLM
-    from engine.loader import _default_gguf, load_tokenizer, resolve_model
+    from engine.loader import load_tokenizer, resolve_model
 
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
@@ -286,20 +308,48 @@ def main(argv: list[str] | None = None) -> int:
     ]
     timers: dict[str, Any] = {}
     info: dict[str, Any] = {"dtypes": {}, "notes": notes}
-    engines = {}
-    for name, kwargs in (("kvrail", {}), ("kvrail-int8", {"quantization": "int8"})):
-        if name in args.systems:
-            engine = LLM(args.model, **kwargs).llm_engine
-            engines[name] = engine
-            runner = engine.engine_core.model_runner
-            info["dtypes"][name] = kwargs.get("quantization") or str(runner.dtype).removeprefix(
-                "torch."
-            )
-            timers[name] = lambda e=engine: time_kvrail(e, prompt, args.output_len)
-    if set(engines) == {"kvrail", "kvrail-int8"}:
-        info["weight_bytes"] = {
-            name: weight_bytes(e.engine_core.model_runner.model) for name, e in engines.items()
-        }
+    children: dict[str, ChildEngine] = {}
+    try:
+        for name, ref, quantization in (
+            ("kvrail", None, None),
+            ("kvrail-int8", None, "int8"),
+            ("baseline", args.baseline_ref, None),
+        ):
+            if name not in args.systems:
+                continue
+            if name == "baseline" and ref is None:
+                notes.append("baseline skipped: no --baseline-ref")
+                continue
+            child = children[name] = ChildEngine(args.model, ref, quantization)
+            info["dtypes"][name] = f"kvrail {ref}" if ref else child.ready["dtype"]
+            timers[name] = lambda c=child: c.time(prompt, args.output_len)
+        if {"kvrail", "kvrail-int8"} <= set(children):
+            info["weight_bytes"] = {
+                name: children[name].ready["weight_bytes"] for name in ("kvrail", "kvrail-int8")
+            }
+        runs = time_systems(args, request, prompt, tokenizer, model_dir, timers, info)
+    finally:
+        for child in children.values():
+            child.close()
+    markdown = report(args, runs, info)
+    write_results(args.name, {"args": vars(args), "runs": runs, "info": info}, markdown)
+    return 0
+
+
+def time_systems(
+    args: argparse.Namespace,
+    request: Any,
+    prompt: list[int],
+    tokenizer: Any,
+    model_dir: Any,
+    timers: dict[str, Any],
+    info: dict[str, Any],
+) -> dict[str, list[dict]]:
+    """Add the peers to `timers`, warm every system up, then time them in turns."""
+    from benchmarks.peers import HFRunner
+    from engine.loader import _default_gguf
+
+    notes = info["notes"]
     if "hf" in args.systems:
         hf = HFRunner(model_dir, tokenizer.pad_token_id or 0)
         probe = [request.__class__(request.request_id, prompt, 8)]
@@ -315,28 +365,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             info["dtypes"]["llama.cpp"] = "gguf (Q4_1)"
             timers["llama.cpp"] = lambda: time_llama_bench(args, gguf)
-    baseline = None
-    if "baseline" in args.systems:
-        if args.baseline_ref is None:
-            notes.append("baseline skipped: no --baseline-ref")
-        else:
-            baseline = Baseline(args.baseline_ref)
-            info["dtypes"]["baseline"] = f"kvrail {args.baseline_ref}"
-            timers["baseline"] = lambda: baseline.time(prompt, args.output_len)
-    try:
-        for timer in timers.values():
-            timer()  # warm-up: first steps compile, allocate, capture
-        runs: dict[str, list[dict]] = {name: [] for name in timers}
-        for _ in range(args.rounds):
-            for name, timer in timers.items():
-                runs[name].append(timer())
-                print(f"{name}: {runs[name][-1]['decode_tok_s']:.1f} tok/s", flush=True)
-    finally:
-        if baseline is not None:
-            baseline.close()
-    markdown = report(args, runs, info)
-    write_results(args.name, {"args": vars(args), "runs": runs, "info": info}, markdown)
-    return 0
+    for timer in timers.values():
+        timer()  # warm-up: first steps compile, allocate, capture
+    runs: dict[str, list[dict]] = {name: [] for name in timers}
+    for _ in range(args.rounds):
+        for name, timer in timers.items():
+            runs[name].append(timer())
+            print(f"{name}: {runs[name][-1]['decode_tok_s']:.1f} tok/s", flush=True)
+    return runs
 
 
 if __name__ == "__main__":
