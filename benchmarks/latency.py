@@ -13,10 +13,11 @@ for `--rounds` rounds so that the machine's slow spells fall on all of them alik
 - `baseline`: kvrail at git ref `--baseline-ref` (a worktree of it) over the same prompt: the
   before of a before/after.
 
-Every kvrail system runs in a child process of its own (this checkout's, or the baseline's
-worktree), so that they compare like with like: on an AMX Xeon the same code timed in this
-process ran 7% slower than in a child (0.93x over 5 rounds), the cause not found. HF still
-runs in this process: its rate may be a few percent under what it would be alone.
+Every kvrail system runs in a process of its own (this checkout, or the baseline's worktree),
+started afresh each round, the systems taking turns in an order that rotates: on an AMX Xeon
+the engine process started first ran 7-9% slower than one started after it, through a whole
+run, on the same code (the cause was not found), so no system may keep a place. HF runs in
+this process.
 
 Also reported: the bytes of every weight of the default and the int8 model.
 
@@ -26,14 +27,15 @@ Also reported: the bytes of every weight of the default and the int8 model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +64,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads")
     add("--seed", type=int, default=0)
     add("--name", default="latency", help="results/<name>.json and .md")
-    add("--child", action="store_true", help=argparse.SUPPRESS)  # a kvrail system's process
-    add("--child-quantization", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.systems = args.systems.split(",")
     unknown = set(args.systems) - set(SYSTEMS)
@@ -98,78 +98,45 @@ def time_kvrail(engine: Any, prompt: list[int], output_len: int) -> dict[str, fl
     return {"ttft_s": first - start, "decode_tok_s": (output_len - 1) / (end - first)}
 
 
-def child_main(args: argparse.Namespace) -> int:
-    """A kvrail system: load the engine, say so (with its weights' dtype and bytes, which the
-    baseline's older engine may not tell), then time one request per line of stdin (JSON)."""
-    from engine import LLM
-
-    kwargs = {"quantization": args.child_quantization} if args.child_quantization else {}
-    engine = LLM(args.model, **kwargs).llm_engine
-    ready: dict[str, Any] = {"ready": True}
+# In each kvrail system's process (`engine_process.EngineProcess`).
+def describe(llm: Any) -> dict[str, Any]:
+    """The activations' dtype and the weights' bytes (a baseline's older engine may not tell
+    them)."""
     try:
-        model = engine.engine_core.model_runner.model
-        ready["dtype"] = args.child_quantization or str(model.model.dtype).removeprefix("torch.")
-        ready["weight_bytes"] = weight_bytes(model)
+        model = llm.llm_engine.engine_core.model_runner.model
+        return {
+            "dtype": str(model.model.dtype).removeprefix("torch."),
+            "weight_bytes": weight_bytes(model),
+        }
     except AttributeError:
-        pass
-    print(json.dumps(ready), flush=True)
-    for line in sys.stdin:
-        job = json.loads(line)
-        print(json.dumps(time_kvrail(engine, job["prompt"], job["output_len"])), flush=True)
-    return 0
+        return {}
 
 
-class ChildEngine:
-    """A kvrail system in a child process timing on demand: this checkout, or `ref` in a
-    detached worktree."""
+def time_request(llm: Any, prompt: list[int], output_len: int) -> dict[str, float]:
+    return time_kvrail(llm.llm_engine, prompt, output_len)
 
-    def __init__(self, model: str | None, ref: str | None, quantization: str | None) -> None:
-        root = Path(__file__).resolve().parent.parent
-        self.worktree = None
-        if ref is not None:
-            self.worktree = Path(tempfile.mkdtemp(prefix="kvrail-baseline-"))
-            subprocess.run(
-                ["git", "-C", str(root), "worktree", "add", "--detach", str(self.worktree), ref],
-                check=True,
-                capture_output=True,
-            )
-        tree = self.worktree or root
-        command = [sys.executable, str(Path(__file__).resolve()), "--child"]
-        if model is not None:
-            command += ["--model", model]
-        if quantization is not None:
-            command += ["--child-quantization", quantization]
-        self.process = subprocess.Popen(
-            command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(tree)},
-            cwd=tree,
+
+@contextlib.contextmanager
+def worktree(ref: str | None) -> Iterator[Path]:
+    """This checkout (ref None), or `ref` in a detached worktree for as long as it is used."""
+    root = Path(__file__).resolve().parent.parent
+    if ref is None:
+        yield root
+        return
+    path = Path(tempfile.mkdtemp(prefix="kvrail-baseline-"))
+    subprocess.run(
+        ["git", "-C", str(root), "worktree", "add", "--detach", str(path), ref],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield path
+    finally:
+        subprocess.run(
+            ["git", "-C", str(root), "worktree", "remove", "--force", str(path)],
+            check=False,
+            capture_output=True,
         )
-        self.ready = self._read()  # loaded
-
-    def _read(self) -> dict[str, Any]:
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError("the baseline process died (see its stderr above)")
-        return json.loads(line)
-
-    def time(self, prompt: list[int], output_len: int) -> dict[str, float]:
-        self.process.stdin.write(json.dumps({"prompt": prompt, "output_len": output_len}) + "\n")
-        self.process.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
-        if self.worktree is not None:
-            root = Path(__file__).resolve().parent.parent
-            subprocess.run(
-                ["git", "-C", str(root), "worktree", "remove", "--force", str(self.worktree)],
-                check=False,
-                capture_output=True,
-            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,11 +257,10 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], info: dict[str
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.child:
-        return child_main(args)
     import torch
 
     from benchmarks.common import corpus_token_ids, make_workload, write_results
+    from benchmarks.engine_process import EngineProcess, rotated
     from engine.loader import load_tokenizer, resolve_model
 
     model_dir = resolve_model(args.model)
@@ -306,49 +272,76 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = [
         f"{torch.get_num_threads()} torch threads, {args.threads} llama.cpp threads."
     ]
-    timers: dict[str, Any] = {}
     info: dict[str, Any] = {"dtypes": {}, "notes": notes}
-    children: dict[str, ChildEngine] = {}
-    try:
+    kvrail = {  # name: (git ref or None for this checkout, quantization)
+        name: (ref, quantization)
         for name, ref, quantization in (
             ("kvrail", None, None),
             ("kvrail-int8", None, "int8"),
             ("baseline", args.baseline_ref, None),
-        ):
-            if name not in args.systems:
-                continue
-            if name == "baseline" and ref is None:
-                notes.append("baseline skipped: no --baseline-ref")
-                continue
-            child = children[name] = ChildEngine(args.model, ref, quantization)
-            info["dtypes"][name] = f"kvrail {ref}" if ref else child.ready["dtype"]
-            timers[name] = lambda c=child: c.time(prompt, args.output_len)
-        if {"kvrail", "kvrail-int8"} <= set(children):
-            info["weight_bytes"] = {
-                name: children[name].ready["weight_bytes"] for name in ("kvrail", "kvrail-int8")
-            }
-        runs = time_systems(args, request, prompt, tokenizer, model_dir, timers, info)
-    finally:
-        for child in children.values():
-            child.close()
+        )
+        if name in args.systems
+    }
+    if "baseline" in kvrail and args.baseline_ref is None:
+        notes.append("baseline skipped: no --baseline-ref")
+        del kvrail["baseline"]
+    peers = peer_timers(args, request, prompt, tokenizer, model_dir, info)
+    for timer in peers.values():
+        timer()  # warm-up
+    with contextlib.ExitStack() as stack:
+        trees = {name: stack.enter_context(worktree(ref)) for name, (ref, _) in kvrail.items()}
+        names = list(kvrail) + list(peers)
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        for r in range(args.rounds):
+            order = rotated(names, r)  # every engine started afresh (`engine_process`)
+            with contextlib.ExitStack() as processes:
+                children = {}
+                for name in order:
+                    if name in kvrail:
+                        ref, quantization = kvrail[name]
+                        options = {"model": args.model, "quantization": quantization}
+                        child = children[name] = processes.enter_context(
+                            EngineProcess(
+                                __file__,
+                                {k: v for k, v in options.items() if v is not None},
+                                "describe",
+                                trees[name],
+                            )
+                        )
+                        child.call("time_request", prompt, args.output_len)  # warm-up
+                        dtype = quantization or child.ready.get("dtype")
+                        info["dtypes"][name] = f"kvrail {ref}" if ref else dtype
+                if r == 0 and {"kvrail", "kvrail-int8"} <= set(children):
+                    info["weight_bytes"] = {
+                        name: children[name].ready["weight_bytes"]
+                        for name in ("kvrail", "kvrail-int8")
+                    }
+                for name in order:
+                    if name in children:
+                        result = children[name].call("time_request", prompt, args.output_len)
+                        runs[name].append(result)
+                    else:
+                        runs[name].append(peers[name]())
+                    print(f"{name}: {runs[name][-1]['decode_tok_s']:.1f} tok/s", flush=True)
     markdown = report(args, runs, info)
     write_results(args.name, {"args": vars(args), "runs": runs, "info": info}, markdown)
     return 0
 
 
-def time_systems(
+def peer_timers(
     args: argparse.Namespace,
     request: Any,
     prompt: list[int],
     tokenizer: Any,
     model_dir: Any,
-    timers: dict[str, Any],
     info: dict[str, Any],
-) -> dict[str, list[dict]]:
-    """Add the peers to `timers`, warm every system up, then time them in turns."""
+) -> dict[str, Any]:
+    """The peers' timers (HF and llama.cpp, where asked for and present), each a function of
+    no argument returning one round's figures."""
     from benchmarks.peers import HFRunner
     from engine.loader import _default_gguf
 
+    timers: dict[str, Any] = {}
     notes = info["notes"]
     if "hf" in args.systems:
         hf = HFRunner(model_dir, tokenizer.pad_token_id or 0)
@@ -365,14 +358,7 @@ def time_systems(
         else:
             info["dtypes"]["llama.cpp"] = "gguf (Q4_1)"
             timers["llama.cpp"] = lambda: time_llama_bench(args, gguf)
-    for timer in timers.values():
-        timer()  # warm-up: first steps compile, allocate, capture
-    runs: dict[str, list[dict]] = {name: [] for name in timers}
-    for _ in range(args.rounds):
-        for name, timer in timers.items():
-            runs[name].append(timer())
-            print(f"{name}: {runs[name][-1]['decode_tok_s']:.1f} tok/s", flush=True)
-    return runs
+    return timers
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ where it must not lose (issue 13):
   EOS ignored: speculation configured under load. Target >= 0.95x.
 
 `base` is `LLM(dtype=...)`, `spec` the same with `speculative_config` (`--speculative-config`,
-JSON as vLLM takes it); `--sweep-k` adds `spec-kN` systems with other draft lengths. All
-engines stay loaded and take turns within each of `--rounds` rounds, the order rotating, so a
-shared machine's slow spells fall on all alike; a ratio is the median over rounds of the
-ratio within a round. Output tok/s = generated tokens / wall time of the whole set. From the
-engine's counters: the draft acceptance rate, the mean acceptance length (1 + accepted tokens
-per draft: tokens a verify step yields) and per draft position the fraction of drafts whose
-position i was accepted.
+JSON as vLLM takes it); `--sweep-k` adds `spec-kN` systems with other draft lengths. Each
+of `--rounds` rounds starts every system's engine afresh in a process of its own, in an order
+that rotates, and the systems take turns in that order, so a shared machine's slow spells and
+an engine's place (`engine_process.py`: one started earlier can run slower all along) fall on
+all alike; a ratio is the median over rounds of the ratio within a round. Output tok/s =
+generated tokens / wall time of the whole set. From the engine's counters: the draft
+acceptance rate, the mean acceptance length (1 + accepted tokens per draft: tokens a verify
+step yields) and per draft position the fraction of drafts whose position i was accepted.
 
 Lossless: greedy outputs with speculation must equal those without, token for token, in
 float32, on every prompt of every round (PASS/FAIL); in bfloat16 (on a CPU with
@@ -34,11 +35,12 @@ tokens that match. The dtype the main run does not cover gets one extra pass.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tqdm import tqdm
@@ -52,6 +54,7 @@ from benchmarks.common import (
     verdict,
     write_results,
 )
+from benchmarks.engine_process import EngineProcess, rotated
 from benchmarks.spec_workload import FREE_FORM, GROUNDED, SYSTEM
 
 DEFAULT_SPEC = {
@@ -269,41 +272,67 @@ def system_configs(args: argparse.Namespace) -> dict[str, dict[str, Any] | None]
     return systems
 
 
-def build_engine(args: argparse.Namespace, dtype: str, spec_config: dict | None) -> Any:
-    from engine import LLM
-
+def engine_kwargs(args: argparse.Namespace, dtype: str, spec_config: dict | None) -> dict:
+    """A system's `LLM` options (JSON: an `EngineProcess` builds it)."""
     options = {} if spec_config is None else {"speculative_config": spec_config}
-    llm = LLM(
-        model=args.model,
-        dtype=dtype,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        **options,
+    return dict(
+        model=args.model, dtype=dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes, **options
     )
-    # One-off costs (allocation, kernels) paid here, on a prompt no measured one shares.
+
+
+# In each system's process (`engine_process.EngineProcess`): set it up, then run sets.
+def setup_engine(llm: Any) -> dict[str, str]:
+    """One-off costs (allocation, kernels) paid on a prompt no measured one shares; the step
+    timer; the dtype the engine chose."""
     llm.generate([WARM_UP_IDS], Task("warm-up", "-", WARM_UP_IDS, 16).sampling_params())
     llm.step_timer = StepTimer(llm)
-    return llm
+    return {"dtype": str(llm.llm_engine.engine_core.model_runner.dtype).removeprefix("torch.")}
 
 
-def engine_dtype(llm: Any) -> str:
-    return str(llm.llm_engine.engine_core.model_runner.dtype).removeprefix("torch.")
+class _NoProgress:
+    def update(self, n: int) -> None:
+        pass
+
+
+def run_set_in_process(llm: Any, set_name: str, tasks: list[dict]) -> dict:
+    return asdict(run_set(llm, set_name, [Task(**t) for t in tasks], _NoProgress()))
 
 
 def measure(
-    engines: dict[str, Any], sets: dict[str, list[Task]], rounds: int, desc: str
-) -> dict[str, dict[str, list[SetRun]]]:
-    """runs[set][system]: one SetRun per round; systems take turns, the order rotating."""
-    names = list(engines)
+    args: argparse.Namespace,
+    systems: dict[str, dict | None],
+    dtype: str,
+    sets: dict[str, list[Task]],
+    rounds: int,
+    desc: str,
+) -> tuple[dict[str, dict[str, list[SetRun]]], str]:
+    """runs[set][system]: one SetRun per round, and the dtype the engines ran. Every round
+    starts each system's engine afresh, in a process of its own, in an order that rotates
+    (`engine_process`: an engine started earlier than another can run slower all along)."""
+    names = list(systems)
     runs = {s: {n: [] for n in names} for s in sets}
+    jobs = {s: [asdict(t) for t in tasks] for s, tasks in sets.items()}
     total = rounds * len(names) * sum(len(t) for t in sets.values())
     with tqdm(total=total, desc=desc, unit="req") as progress:
         for r in range(rounds):
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for set_name, tasks in sets.items():
+            order = rotated(names, r)
+            with contextlib.ExitStack() as stack:
+                engines = {}
                 for name in order:
-                    progress.set_postfix_str(f"round {r + 1} {set_name} {name}")
-                    runs[set_name][name].append(run_set(engines[name], set_name, tasks, progress))
-    return runs
+                    progress.set_postfix_str(f"round {r + 1} starting {name}")
+                    engines[name] = stack.enter_context(
+                        EngineProcess(
+                            __file__, engine_kwargs(args, dtype, systems[name]), "setup_engine"
+                        )
+                    )
+                for set_name, tasks in sets.items():
+                    for name in order:
+                        progress.set_postfix_str(f"round {r + 1} {set_name} {name}")
+                        result = engines[name].call("run_set_in_process", set_name, jobs[set_name])
+                        runs[set_name][name].append(SetRun(**result))
+                        progress.update(len(tasks))
+                ran = engines[names[0]].ready["dtype"]
+    return runs, ran
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,8 +455,7 @@ def agreement_pass(
 ) -> dict[str, dict[str, Any]]:
     """base and spec in `dtype`, one round: the dtype the main run did not cover."""
     systems = {"base": None, "spec": args.speculative_config}
-    engines = {name: build_engine(args, dtype, config) for name, config in systems.items()}
-    runs = measure(engines, sets, 1, f"agreement {dtype}")
+    runs, _ = measure(args, systems, dtype, sets, 1, f"agreement {dtype}")
     return {set_name: agreement(set_runs) for set_name, set_runs in runs.items()}
 
 
@@ -633,10 +661,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sets = build_sets(args, load_tokenizer(resolve_model(args.model)))
     systems = system_configs(args)
-    engines = {name: build_engine(args, args.dtype, config) for name, config in systems.items()}
-    dtype = engine_dtype(engines["base"])
-    runs = measure(engines, sets, args.rounds, f"spec decode ({dtype})")
-    del engines  # freed before an agreement pass loads its own
+    runs, dtype = measure(args, systems, args.dtype, sets, args.rounds, "spec decode")
     results: dict[str, Any] = {
         "dtype": dtype,
         "sets": {name: len(tasks) for name, tasks in sets.items()},

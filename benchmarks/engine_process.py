@@ -1,0 +1,108 @@
+"""An engine in a child process of its own, for benchmarks that compare engines side by side.
+
+Of identical engines, the one started earlier ran slower through a whole run on an AMX Xeon:
+three `LLM()`s in one process decoded one stream at 80, 87 and 92 tok/s, in the order they
+were made; between processes, the one started first ran 7-9% slower; and `spec_decode.py`
+with its systems made in the other order gave a grounded ratio of 1.63x instead of 2.18x,
+its plain steps 12-14% apart. Where each engine's memory landed looks like the cause (copies
+of the same weights made later ran a linear pass 5-10% faster); it was not pinned down. A
+system that keeps its place keeps that bias, so these benchmarks start every engine afresh
+each round, each in a process of its own, in an order that rotates: each system takes every
+place in turn (`rotated`).
+
+The child runs functions of a benchmark file of this checkout (`functions_file`) on its `LLM`,
+JSON in and out: with `tree`, the engine is that checkout's (a baseline's worktree on
+PYTHONPATH) under this checkout's benchmark code.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def rotated(names: Sequence[str], round_index: int) -> list[str]:
+    """Round r's order: the names rotated by r."""
+    r = round_index % len(names)
+    return [*names[r:], *names[:r]]
+
+
+class EngineProcess:
+    """`LLM(**llm_kwargs)` in a child process; `setup(llm)` of `functions_file` runs once it is
+    loaded and its JSON result is `ready`; `call(name, *args)` runs `name(llm, *args)` there."""
+
+    def __init__(
+        self,
+        functions_file: str | Path,
+        llm_kwargs: dict[str, Any],
+        setup: str,
+        tree: Path = ROOT,
+    ) -> None:
+        command = [
+            sys.executable, str(Path(__file__).resolve()), str(Path(functions_file).resolve()),
+            json.dumps(llm_kwargs), setup,
+        ]  # fmt: skip
+        self.process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(tree)},
+            cwd=tree,
+        )
+        self.ready = self._read()
+
+    def _read(self) -> Any:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError("an engine process died (see its stderr above)")
+        return json.loads(line)
+
+    def call(self, name: str, *args: Any) -> Any:
+        self.process.stdin.write(json.dumps({"name": name, "args": args}) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=120)
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process.poll() is None:
+            self.close()
+
+
+def _load(path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("benchmark_functions", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def child_main(functions_file: str, llm_kwargs: str, setup: str) -> int:
+    functions = _load(functions_file)
+    from engine import LLM
+
+    llm = LLM(**json.loads(llm_kwargs))
+    print(json.dumps(getattr(functions, setup)(llm)), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        print(json.dumps(getattr(functions, job["name"])(llm, *job["args"])), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(child_main(*sys.argv[1:4]))
