@@ -1,14 +1,14 @@
 """An engine in a child process of its own, for benchmarks that compare engines side by side.
 
-Of identical engines, the one started earlier ran slower through a whole run on an AMX Xeon:
-three `LLM()`s in one process decoded one stream at 80, 87 and 92 tok/s, in the order they
-were made; between processes, the one started first ran 7-9% slower; and `spec_decode.py`
-with its systems made in the other order gave a grounded ratio of 1.63x instead of 2.18x,
-its plain steps 12-14% apart. Where each engine's memory landed looks like the cause (copies
-of the same weights made later ran a linear pass 5-10% faster); it was not pinned down. A
-system that keeps its place keeps that bias, so these benchmarks start every engine afresh
-each round, each in a process of its own, in an order that rotates: each system takes every
-place in turn (`rotated`).
+Of identical engines, one started earlier than another ran slower all along on an AMX Xeon
+(by hand: up to 14% per single-stream decode step, in one process and between processes);
+`spec_decode.py`, which built its engines once in one process, base first, gave the grounded
+ratio 2.18x, and 1.63x with the engines built the other way round. Where each engine's
+weights landed in memory looks like the cause (2 MiB pages, which the engine now asks torch
+for, narrowed the gap: `engine.envs.prefer_huge_pages`); it was not pinned down. A system
+that keeps its place keeps that bias, so these benchmarks start every engine afresh each
+round, each in a process of its own, in an order that rotates: each system takes every place
+in turn (`rotated`).
 
 The child runs functions of a benchmark file of this checkout (`functions_file`) on its `LLM`,
 JSON in and out: with `tree`, the engine is that checkout's (a baseline's worktree on
@@ -37,8 +37,9 @@ def rotated(names: Sequence[str], round_index: int) -> list[str]:
 
 
 class EngineProcess:
-    """`LLM(**llm_kwargs)` in a child process; `setup(llm)` of `functions_file` runs once it is
-    loaded and its JSON result is `ready`; `call(name, *args)` runs `name(llm, *args)` there."""
+    """`LLM(**llm_kwargs)` in a child process (`env` added to this one's environment);
+    `setup(llm)` of `functions_file` runs once it is loaded and its JSON result is `ready`;
+    `call(name, *args)` runs `name(llm, *args)` there."""
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class EngineProcess:
         llm_kwargs: dict[str, Any],
         setup: str,
         tree: Path = ROOT,
+        env: dict[str, str] | None = None,
     ) -> None:
         command = [
             sys.executable, str(Path(__file__).resolve()), str(Path(functions_file).resolve()),
@@ -56,7 +58,7 @@ class EngineProcess:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONPATH": str(tree)},
+            env={**os.environ, **(env or {}), "PYTHONPATH": str(tree)},
             cwd=tree,
         )
         self.ready = self._read()

@@ -4,6 +4,10 @@ The public API matches vLLM's, so code can switch between the two:
     from engine import LLM, SamplingParams
 """
 
+from engine import envs
+
+envs.prefer_huge_pages()  # before anything below imports torch
+
 from engine.beam_search import (
     MAX_ABS_LENGTH_PENALTY,
     BeamSearchOutput,

@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -110,3 +113,16 @@ def test_bad_model_paths_raise_value_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel"):
         resolve_model(tmp_path)
+
+
+@pytest.mark.parametrize("preset", [None, "0"])
+def test_importing_the_engine_asks_torch_for_huge_pages_unless_told_otherwise(preset):
+    """`envs.prefer_huge_pages`: torch reads THP_MEM_ALLOC_ENABLE at its first CPU allocation,
+    so `import engine` sets it before importing torch, and keeps a value already given."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if preset is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = preset
+    code = "import os, engine; print(os.environ['THP_MEM_ALLOC_ENABLE'])"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (preset or "1")
