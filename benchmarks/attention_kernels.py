@@ -9,7 +9,10 @@ blocks, the cases taking turns within each round, and reports the median time pe
 the arithmetic rate (QK^T and PV, causal: only the scores a query attends to). Each turn
 calls its case `--repeats` times after one untimed call, so the case's cache and queries sit
 in the CPU's caches: like `linear_kernels.py` this times the kernels, not DRAM (a case run
-right after the 4 x 512 prompts, cold, took 2-5x longer on a 2-vCPU AVX2 EPYC).
+right after the 4 x 512 prompts, cold, took 2-5x longer on a 2-vCPU AVX2 EPYC). The one
+exception is a batch of `--batch-size` decodes, a full batch's decode step: its cache (78 MB
+in fp32 for 128 x 400 tokens) is larger than the CPU's caches, so it reads DRAM as the
+engine's step does. Decode steps are timed over an fp8 cache too.
 
     python -m benchmarks.attention_kernels --context-len 400 --verify-queries 5,8
 """
@@ -36,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--prompt-lens", default="128,512", help="prompts of these lengths, 4 at a time")
     add("--context-len", type=int, default=400, help="cached tokens of a decode / verify step")
     add("--verify-queries", default="5,8", help="query tokens of verify steps (1 + k)")
+    add("--batch-size", type=int, default=128, help="sequences of the batched decode step")
     add("--block-size", type=int, default=16)
     add("--rounds", type=int, default=10)
     add("--repeats", type=int, default=10, help="calls of a case in a row, each round")
@@ -53,8 +57,10 @@ def make_case(
     block_size: int,
     q_lens: list[int],
     seq_lens: list[int],
+    fp8: bool = False,
 ) -> dict[str, Any]:
-    """Tensors of one step: requests with `q_lens` queries over `seq_lens` cached tokens."""
+    """Tensors of one step: requests with `q_lens` queries over `seq_lens` cached tokens, the
+    cache in q's dtype or fp8 e4m3 (scales of 1)."""
     num_heads, num_kv_heads, head_dim = heads
     blocks_each = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_each)
@@ -67,10 +73,11 @@ def make_case(
         start += n
     num_tokens = sum(q_lens)
     starts = [0, *itertools.accumulate(q_lens)]
+    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
     return dict(
         q=torch.randn(num_tokens, num_heads, head_dim).to(dtype),
-        k_cache=torch.randn(cache_shape).to(dtype),
-        v_cache=torch.randn(cache_shape).to(dtype),
+        k_cache=torch.randn(cache_shape).to(cache_dtype),
+        v_cache=torch.randn(cache_shape).to(cache_dtype),
         block_table=block_table,
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
@@ -108,18 +115,22 @@ def main(argv: list[str] | None = None) -> int:
     heads = (config.num_attention_heads, config.num_key_value_heads, head_dim)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     torch.manual_seed(0)
-    shapes = [(f"prompts 4 x {n}", "prompt", [n] * 4, [n] * 4) for n in args.prompt_lens]
-    shapes.append((f"decode, {args.context_len} cached", "decode", [1], [args.context_len]))
+    n, batch = args.context_len, args.batch_size
+    shapes = [(f"prompts 4 x {p}", "prompt", [p] * 4, [p] * 4, False) for p in args.prompt_lens]
+    for fp8, cache in ((False, ""), (True, ", fp8 cache")):
+        shapes.append((f"decode, {n} cached{cache}", "decode", [1], [n], fp8))
+        shapes.append((f"decode {batch} x {n} cached (DRAM){cache}", "decode", [1] * batch,
+                       [n] * batch, fp8))  # fmt: skip
     shapes += [
-        (f"verify {q} queries, {args.context_len} cached", kernel, [q], [args.context_len])
+        (f"verify {q} queries, {n} cached", kernel, [q], [n], False)
         for q in args.verify_queries
         for kernel in ("decode", "prompt")
     ]
     kernels = {"prompt": paged_prefill_attention, "decode": paged_decode_attention}
     cases = [
-        (label, kernels[kernel], make_case(torch, heads, dtype, args.block_size, q, s),
+        (label, kernels[kernel], make_case(torch, heads, dtype, args.block_size, q, s, fp8),
          attended_flop(heads, q, s))
-        for label, kernel, q, s in shapes
+        for label, kernel, q, s, fp8 in shapes
     ]  # fmt: skip
     # torch's SDPA on the same prompts, dense and contiguous (what a fresh prompt's own q, k
     # and v could go through without the paged cache): a yardstick for the prompt kernel.
@@ -153,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{heads[0]} query and {heads[1]} kv heads of {heads[2]}, {dtype} queries and "
             f"cache, blocks of {args.block_size} in random order, {torch.get_num_threads()} "
             f"threads, {platform.machine()}; medians of {args.rounds} rounds of "
-            f"{args.repeats} calls in a row (cache-resident), the cases taking turns. "
+            f"{args.repeats} calls in a row (cache-resident but for the batch of "
+            f"{batch}), the cases taking turns. "
             "GFLOP/s: QK^T and PV over the keys each query attends to.",
             markdown_table(["case", "kernel", "us", "GFLOP/s"], rows),
         ]

@@ -3,10 +3,12 @@
 In the manner of vLLM's `benchmark_throughput` and nano-vllm's bench: N requests whose
 input and output lengths are drawn uniformly from ranges, prompts cut from real English
 text, exactly `output_len` tokens each (EOS ignored, greedy). kvrail runs all N, in its
-default configuration and with each of `--configs` (`kvrail-int8`); the slow peers run a
-seeded subset of the same requests and are compared per output token. The machine's bf16
-matmul rate on the model's shapes, measured in the same run, gives the compute limit in
-tokens/s.
+default configuration and with each of `--configs` (`kvrail-int8`), each configuration in a
+process of its own started afresh, in an order that rotates over `--rounds`
+(`engine_process`: of two engines, the one started first ran slower all along); the slow
+peers run a seeded subset of the same requests and are compared per output token. The
+machine's matmul rate on the model's shapes, measured in the same run, gives the compute
+limit in tokens/s.
 
     python -m benchmarks.throughput --num-requests 128 --input-len 64:512 --output-len 64:256
 """
@@ -14,6 +16,7 @@ tokens/s.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -63,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="int8",
         help=f"comma list of kvrail runs besides the default, of {tuple(ENGINE_CONFIGS)[1:]}",
     )
+    add("--rounds", type=int, default=1, help="kvrail runs per configuration, order rotating")
     add("--max-num-seqs", type=int, default=128)
     add("--max-num-batched-tokens", type=int, default=2048)
     # 4 GiB holds all 128 requests of the default workload at once in fp32 (46 KB a token).
@@ -97,43 +101,62 @@ def rates(requests: list[BenchRequest], seconds: float) -> dict[str, Any]:
     }
 
 
-def run_kvrail(
-    args: argparse.Namespace, workload: list[BenchRequest], config: str
-) -> dict[str, Any]:
-    from engine import LLM
+# In each kvrail configuration's process (`engine_process.EngineProcess`).
+def describe(llm: Any) -> str:
+    """The activations' dtype."""
+    return str(llm.llm_engine.engine_core.model_runner.dtype).removeprefix("torch.")
 
-    options = ENGINE_CONFIGS[config]
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        **options,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-    )
-    # Warm-up on reversed prompts: no prefix-cache hits on the measured ones.
-    warmup = [list(reversed(r.prompt_token_ids)) for r in workload[:4]]
-    llm.generate(warmup, greedy_params(8))
-    prompts = [r.prompt_token_ids for r in workload]
-    params = [greedy_params(r.output_len) for r in workload]
+
+def run_workload(llm: Any, prompts: list[list[int]], output_lens: list[int]) -> dict[str, Any]:
+    """Seconds to generate `output_lens` tokens after `prompts`, all submitted at once, after
+    a warm-up on reversed prompts (no prefix-cache hits on the measured ones)."""
+    llm.generate([list(reversed(p)) for p in prompts[:4]], greedy_params(8))
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
+    outputs = llm.generate(prompts, [greedy_params(n) for n in output_lens], use_tqdm=True)
     seconds = time.perf_counter() - start
     produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-    expected = sum(r.output_len for r in workload)
-    if produced != expected:
-        raise RuntimeError(f"kvrail produced {produced} output tokens, expected {expected}")
-    stats = llm.llm_engine.get_stats()
-    dtype = str(llm.llm_engine.engine_core.model_runner.dtype).removeprefix("torch.")
-    result = {
-        **rates(workload, seconds),
-        "dtype": ", ".join(
-            [f"{options['quantization']} ({dtype})" if "quantization" in options else dtype]
-            + (["fp8 kv"] if options.get("kv_cache_dtype") == "fp8" else [])
-        ),
-    }
-    result["num_preemptions"] = stats.num_preemptions
-    return result  # the engine is freed here, before the peers load their models
+    if produced != sum(output_lens):
+        raise RuntimeError(f"kvrail produced {produced} output tokens, expected {sum(output_lens)}")
+    return {"seconds": seconds, "num_preemptions": llm.llm_engine.get_stats().num_preemptions}
+
+
+def run_kvrails(args: argparse.Namespace, workload: list[BenchRequest]) -> dict[str, Any]:
+    """Each configuration's median time over `--rounds`, every run in a fresh process."""
+    from benchmarks.engine_process import EngineProcess, rotated
+
+    configs = ["default", *args.configs]
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    dtypes = {}
+    prompts = [r.prompt_token_ids for r in workload]
+    output_lens = [r.output_len for r in workload]
+    for r in range(args.rounds):
+        for config in rotated(configs, r):
+            options = {
+                "model": args.model,
+                "dtype": args.dtype,
+                **ENGINE_CONFIGS[config],
+                "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+                "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+            }
+            with EngineProcess(__file__, options, "describe") as child:
+                dtypes[config] = child.ready
+                runs[config].append(child.call("run_workload", prompts, output_lens))
+    results = {}
+    for config in configs:
+        options = ENGINE_CONFIGS[config]
+        dtype = dtypes[config]
+        seconds = [run["seconds"] for run in runs[config]]
+        results["kvrail" if config == "default" else f"kvrail-{config}"] = {
+            **rates(workload, statistics.median(seconds)),
+            "seconds_by_round": seconds,
+            "dtype": ", ".join(
+                [f"{options['quantization']} ({dtype})" if "quantization" in options else dtype]
+                + (["fp8 kv"] if options.get("kv_cache_dtype") == "fp8" else [])
+            ),
+            "num_preemptions": max(run["num_preemptions"] for run in runs[config]),
+        }
+    return results
 
 
 def run_hf_peers(
@@ -243,7 +266,8 @@ def report(
         f" outputs {args.output_len[0]}-{args.output_len[1]} tokens, seed {args.seed}, greedy,"
         f" EOS ignored. kvrail: max_num_seqs {args.max_num_seqs}, max_num_batched_tokens"
         f" {args.max_num_batched_tokens}, KV pool {args.kv_cache_memory_bytes / 2**30:g} GiB,"
-        f" {default['num_preemptions']} preemptions.",
+        f" {default['num_preemptions']} preemptions; each configuration in a fresh process,"
+        f" {args.rounds} round(s) in rotating order, median seconds.",
         f"Compute limit: {compute['dtype']} matmuls (the faster dtype here) on the model's"
         f" shapes at M={args.matmul_tokens} rows ran at {compute['matmul_gflops']:.0f} GFLOP/s;"
         " the model costs"
@@ -279,9 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "gflop_per_token": per_token / 1e9,
         "limit_tokens_per_s": flops / per_token,
     }
-    results = {"kvrail": run_kvrail(args, workload, "default")}
-    for config in args.configs:
-        results[f"kvrail-{config}"] = run_kvrail(args, workload, config)
+    results = run_kvrails(args, workload)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     results.update(run_hf_peers(args, model_dir, workload, pad_id))
     notes = []

@@ -21,7 +21,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -201,26 +201,36 @@ DEFINE_HEAD_DIM_INSTANCES(DEFINE_DECODE, decode_bf16, uint16_t, load_bf16, uint1
 DEFINE_HEAD_DIM_INSTANCES(DEFINE_DECODE, decode_f32_fp8, float, load_f32, uint8_t, load_e4m3)
 DEFINE_HEAD_DIM_INSTANCES(DEFINE_DECODE, decode_bf16_fp8, uint16_t, load_bf16, uint8_t, load_e4m3)
 
+/* The vector path, for head sizes 64 and 128 (others take the portable one), in AVX-512 or
+ * in AVX2 (whichever the build's -march=native has; one template, the vector width a macro):
+ * K and V are converted once per kv head rather than once per query head, and CHUNK q.k dot
+ * products are summed by one transposing tree instead of CHUNK horizontal sums. Measured on
+ * the project's 2-vCPU EPYC, 48 sequences of 256-640 tokens, 9 query and 3 kv heads of 64,
+ * 30 layers (KV from DRAM): AVX-512, bf16 cache 51.3 -> 40.3 ms, fp8 cache 55.8 -> 37.9 ms;
+ * still under half the memory bandwidth (12.5 of ~30 GB/s), so scores and softmax remain
+ * the cost. On the 2-vCPU AVX2 EPYC (benchmarks.attention_kernels, one layer, against the
+ * portable path): 128 decodes over 400 tokens from DRAM, fp32 cache 6.1-6.8 -> 6.2-6.5 ms,
+ * fp8 cache 12.1-12.7 -> 3.6-4.1 ms; cache-resident, one decode 67-73 -> 58-63 us, a verify
+ * step of 5 queries 208-226 -> 149-165 us. */
 #if defined(__AVX512F__)
-/* The AVX-512 path, for head sizes 64 and 128 (others take the portable one): K and V are
- * converted once per kv head rather than once per query head, 16 q.k dot products are summed
- * by one transposing tree instead of 16 horizontal sums, and each kv head's outputs stay in
- * registers (heads x head_dim / 16 independent sums: one running sum per register waits on
- * the FMA latency) while V streams by. Measured on the project's 2-vCPU EPYC, 48 sequences of
- * 256-640 tokens, 9 query and 3 kv heads of 64, 30 layers (KV from DRAM): bf16 cache 51.3 ->
- * 40.3 ms, fp8 cache 55.8 -> 37.9 ms; still under half the memory bandwidth (12.5 of ~30
- * GB/s), so scores and softmax remain the cost. */
-#define CHUNK 16
-#define HEADS_PER_PASS 4 /* query heads per pass over V: 4 x head_dim / 16 accumulators */
+#define CHUNK 16 /* lanes of a vector: tokens per transposing sum, dims per chunk */
+#define VEC __m512
+#define vec_zero _mm512_setzero_ps
+#define vec_set1 _mm512_set1_ps
+#define vec_loadu _mm512_loadu_ps
+#define vec_storeu _mm512_storeu_ps
+#define vec_store _mm512_store_ps
+#define vec_mul _mm512_mul_ps
+#define vec_fmadd _mm512_fmadd_ps
 
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 vload_f32(const float *p) { return _mm512_loadu_ps(p); }
 
-static inline __m512 load16_bf16(const uint16_t *p) {
+static inline __m512 vload_bf16(const uint16_t *p) {
     const __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
 }
 
-static inline __m512 load16_e4m3(const uint8_t *p) { /* load_e4m3, 16 at a time */
+static inline __m512 vload_e4m3(const uint8_t *p) { /* load_e4m3, 16 at a time */
     const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
     const __m512i rest = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7f)), 20);
@@ -229,7 +239,7 @@ static inline __m512 load16_e4m3(const uint8_t *p) { /* load_e4m3, 16 at a time 
 }
 
 /* r[i] = the sum of v[i]'s 16 lanes: pairs, then quads, then 128-bit blocks transposed. */
-static inline __m512 sum16(const __m512 *v) {
+static inline __m512 vsum(const __m512 *v) {
     __m512 pairs[8], quads[4];
     for (int i = 0; i < 8; i++)
         pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
@@ -246,7 +256,94 @@ static inline __m512 sum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xdd));
 }
 
-#define DEFINE_DECODE_AVX512(NAME, T, LOAD_Q, C, LOAD16, HEAD_DIM)                               \
+/* Pass 2 (p . V into acc[head][head_dim]) with AVX-512: per kv head, V streams by once while
+ * the outputs of up to HEADS_PER_PASS of its query heads stay in registers (4 x head_dim / 16
+ * of the 32: independent sums, so the FMAs do not wait on each other). */
+#define HEADS_PER_PASS 4
+#define DECODE_PASS2(C, VLOAD, HEAD_DIM)                                                          \
+    for (int g = g0; g < g1; g++)                                                                  \
+        for (int h0 = g * group; h0 < (g + 1) * group; h0 += HEADS_PER_PASS) {                     \
+            const int left = (g + 1) * group - h0;                                                 \
+            const int nh = left < HEADS_PER_PASS ? left : HEADS_PER_PASS;                          \
+            VEC o[HEADS_PER_PASS][HEAD_DIM / CHUNK];                                               \
+            for (int j = 0; j < nh; j++)                                                           \
+                for (int c = 0; c < nc; c++) o[j][c] = vec_zero();                                 \
+            for (int t0 = 0; t0 < seq_len; t0 += block_size) {                                     \
+                const C *v = v_cache + (int64_t)blocks[t0 / block_size] * block_size               \
+                             * stride_slot + g * hd;                                               \
+                const int n = seq_len - t0 < block_size ? seq_len - t0 : block_size;               \
+                for (int i = 0; i < n; i++) {                                                      \
+                    VEC vc[HEAD_DIM / CHUNK];                                                      \
+                    for (int c = 0; c < nc; c++) vc[c] = VLOAD(v + i * stride_slot + c * CHUNK);   \
+                    for (int j = 0; j < nh; j++) {                                                 \
+                        const VEC p = vec_set1(scores[(h0 + j) * stride_s + t0 + i]);              \
+                        for (int c = 0; c < nc; c++) o[j][c] = vec_fmadd(p, vc[c], o[j][c]);       \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+            for (int j = 0; j < nh; j++)                                                           \
+                for (int c = 0; c < nc; c++) vec_storeu(acc + (h0 + j) * hd + c * CHUNK, o[j][c]); \
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CHUNK 8
+#define VEC __m256
+#define vec_zero _mm256_setzero_ps
+#define vec_set1 _mm256_set1_ps
+#define vec_loadu _mm256_loadu_ps
+#define vec_storeu _mm256_storeu_ps
+#define vec_store _mm256_store_ps
+#define vec_mul _mm256_mul_ps
+#define vec_fmadd _mm256_fmadd_ps
+
+static inline __m256 vload_f32(const float *p) { return _mm256_loadu_ps(p); }
+
+static inline __m256 vload_bf16(const uint16_t *p) {
+    const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+}
+
+static inline __m256 vload_e4m3(const uint8_t *p) { /* load_e4m3, 8 at a time */
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+    const __m256i rest = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7f)), 20);
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(sign, rest)),
+                         _mm256_set1_ps(0x1p120f));
+}
+
+/* r[i] = the sum of v[i]'s 8 lanes: horizontal adds within 128-bit halves, then the halves. */
+static inline __m256 vsum(const __m256 *v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* Pass 2 (p . V into acc[head][head_dim]) with AVX2: its 16 registers do not hold the outputs
+ * of a kv head's query heads (24 for 3 heads of 64), and passes over parts of the head (the
+ * AVX-512 way, a few chunks at a time) took 7.4-8.8 ms where this takes 6.2-6.5 (128 decodes
+ * over 400 tokens, fp32 cache from DRAM): the outputs accumulate in L1 instead, while each row of
+ * V is read once, in order, converted once per kv head. */
+#define DECODE_PASS2(C, VLOAD, HEAD_DIM)                                                          \
+    for (int j = g0 * group * hd; j < g1 * group * hd; j++) acc[j] = 0.0f;                         \
+    for (int t0 = 0; t0 < seq_len; t0 += block_size) {                                             \
+        const C *v = v_cache + (int64_t)blocks[t0 / block_size] * block_size * stride_slot;        \
+        const int n = seq_len - t0 < block_size ? seq_len - t0 : block_size;                       \
+        for (int i = 0; i < n; i++)                                                                \
+            for (int g = g0; g < g1; g++) {                                                        \
+                VEC vc[HEAD_DIM / CHUNK];                                                          \
+                for (int c = 0; c < nc; c++) vc[c] = VLOAD(v + i * stride_slot + g * hd + c * CHUNK); \
+                for (int h = g * group; h < (g + 1) * group; h++) {                                \
+                    const VEC p = vec_set1(scores[h * stride_s + t0 + i]);                         \
+                    float *ah = acc + h * hd;                                                      \
+                    for (int c = 0; c < nc; c++)                                                   \
+                        vec_storeu(ah + c * CHUNK, vec_fmadd(p, vc[c], vec_loadu(ah + c * CHUNK))); \
+                }                                                                                  \
+            }                                                                                      \
+    }
+#endif
+
+#if defined(VEC)
+
+#define DEFINE_DECODE_SIMD(NAME, T, LOAD_Q, C, VLOAD, HEAD_DIM)                                    \
 static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {        \
     const T *q = a->q;                                                                             \
     const C *k_cache = a->k_cache, *v_cache = a->v_cache;                                          \
@@ -257,18 +354,20 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int64_t row_bytes = stride_slot * (int64_t)sizeof(C);                                    \
     const float q_scale = a->scale * a->k_scale;                                                   \
     const int max_seq_len = longest_context(a), heads = heads_per_item(a, num_threads);            \
-    /* Per thread: scores [num_heads][padded length], q, and each head's 16 partial dots. */     \
+    /* Per thread: scores [num_heads][padded length], q, each head's CHUNK partial dots and */ \
+    /* its outputs. */                                                                             \
     const int64_t stride_s = (max_seq_len + CHUNK - 1) / CHUNK * CHUNK + CHUNK;                    \
     float *scores = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * stride_s));             \
     float *qf = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * hd));                       \
-    __m512 *part = aligned_alloc(64, sizeof(__m512) * (size_t)(num_heads * CHUNK));                \
+    VEC *part = aligned_alloc(64, sizeof(VEC) * (size_t)(num_heads * CHUNK));                      \
+    float *acc = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * hd));                      \
     for (struct decode_item it = {0}; next_item(a, tid, num_threads, heads, &it);) {               \
         const int seq_len = it.seq_len, g0 = it.g_begin, g1 = it.g_end;                            \
         const int32_t *blocks = a->block_table + it.req * a->stride_bt;                            \
         const int64_t row = it.row;                                                                \
         for (int j = g0 * group * hd; j < g1 * group * hd; j++)                                    \
             qf[j] = LOAD_Q(q + row * a->stride_q + j) * q_scale;                                   \
-        /* Pass 1: scores of 16 tokens at a time (positions of a block: no division). */         \
+        /* Pass 1: scores of CHUNK tokens at a time (positions of a block: no division). */      \
         for (int t0 = 0; t0 < seq_len; t0 += CHUNK) {                                              \
             const int n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;                             \
             for (int i = 0; i < n; i++) {                                                          \
@@ -277,20 +376,20 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                               g1 * hd * (int64_t)sizeof(C));                                       \
                 const C *k = k_cache + ((int64_t)blocks[b] * block_size + o) * stride_slot;        \
                 for (int g = g0; g < g1; g++) {                                                    \
-                    __m512 kc[HEAD_DIM / CHUNK];                                                   \
-                    for (int c = 0; c < nc; c++) kc[c] = LOAD16(k + g * hd + c * CHUNK);           \
+                    VEC kc[HEAD_DIM / CHUNK];                                                      \
+                    for (int c = 0; c < nc; c++) kc[c] = VLOAD(k + g * hd + c * CHUNK);            \
                     for (int h = g * group; h < (g + 1) * group; h++) {                            \
                         const float *qh = qf + h * hd;                                             \
-                        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qh), kc[0]);                    \
+                        VEC dot = vec_mul(vec_loadu(qh), kc[0]);                                   \
                         for (int c = 1; c < nc; c++)                                               \
-                            dot = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c * CHUNK), kc[c], dot);    \
+                            dot = vec_fmadd(vec_loadu(qh + c * CHUNK), kc[c], dot);                \
                         part[h * CHUNK + i] = dot;                                                 \
                     }                                                                              \
                 }                                                                                  \
             }                                                                                      \
             for (int h = g0 * group; h < g1 * group; h++) {                                        \
-                for (int i = n; i < CHUNK; i++) part[h * CHUNK + i] = _mm512_setzero_ps();         \
-                _mm512_store_ps(scores + h * stride_s + t0, sum16(part + h * CHUNK));              \
+                for (int i = n; i < CHUNK; i++) part[h * CHUNK + i] = vec_zero();                  \
+                vec_store(scores + h * stride_s + t0, vsum(part + h * CHUNK));                     \
             }                                                                                      \
         }                                                                                          \
         /* Softmax weights, unnormalized; each head's sum divides once at the end. */              \
@@ -300,43 +399,16 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
             const float sum = softmax_unnormalized(sh, seq_len);                                  \
             inv[h] = seq_len > 0 ? a->v_scale / sum : 0.0f;                                        \
         }                                                                                          \
-        /* Pass 2: per kv head, V streams by once while the outputs of up to HEADS_PER_PASS */  \
-        /* of its query heads accumulate in registers: heads x chunks independent sums, so */     \
-        /* the FMAs do not wait on each other. */                                                  \
-        for (int g = g0; g < g1; g++)                                                              \
-            for (int h0 = g * group; h0 < (g + 1) * group; h0 += HEADS_PER_PASS) {                 \
-                const int left = (g + 1) * group - h0;                                             \
-                const int nh = left < HEADS_PER_PASS ? left : HEADS_PER_PASS;                      \
-                __m512 o[HEADS_PER_PASS][HEAD_DIM / CHUNK];                                        \
-                for (int j = 0; j < nh; j++)                                                       \
-                    for (int c = 0; c < nc; c++) o[j][c] = _mm512_setzero_ps();                    \
-                for (int t0 = 0; t0 < seq_len; t0 += block_size) {                                 \
-                    const C *v = v_cache + (int64_t)blocks[t0 / block_size] * block_size          \
-                                 * stride_slot + g * hd;                                           \
-                    const int n = seq_len - t0 < block_size ? seq_len - t0 : block_size;          \
-                    for (int i = 0; i < n; i++) {                                                  \
-                        __m512 vc[HEAD_DIM / CHUNK];                                               \
-                        for (int c = 0; c < nc; c++) vc[c] = LOAD16(v + i * stride_slot + c * CHUNK); \
-                        for (int j = 0; j < nh; j++) {                                             \
-                            const __m512 p = _mm512_set1_ps(scores[(h0 + j) * stride_s + t0 + i]); \
-                            for (int c = 0; c < nc; c++) o[j][c] = _mm512_fmadd_ps(p, vc[c], o[j][c]); \
-                        }                                                                          \
-                    }                                                                              \
-                }                                                                                  \
-                for (int j = 0; j < nh; j++)                                                       \
-                    for (int c = 0; c < nc; c++) {                                                 \
-                        float res[CHUNK];                                                          \
-                        _mm512_storeu_ps(res, _mm512_mul_ps(o[j][c], _mm512_set1_ps(inv[h0 + j]))); \
-                        for (int d = 0; d < CHUNK; d++)                                            \
-                            store_float(a->out, (int)a->q_dtype,                                   \
-                                        row * num_heads * hd + (h0 + j) * hd + c * CHUNK + d,      \
-                                        res[d]);                                                   \
-                    }                                                                              \
-            }                                                                                      \
+        DECODE_PASS2(C, VLOAD, HEAD_DIM)                                                           \
+        for (int h = g0 * group; h < g1 * group; h++)                                              \
+            for (int d = 0; d < hd; d++)                                                           \
+                store_float(a->out, (int)a->q_dtype, row * num_heads * hd + h * hd + d,            \
+                            acc[h * hd + d] * inv[h]);                                             \
     }                                                                                              \
     free(scores);                                                                                  \
     free(qf);                                                                                      \
     free(part);                                                                                    \
+    free(acc);                                                                                     \
 }
 
 /* Instances of DEFINE(NAME, ..., HEAD_DIM) for head sizes 64 and 128 (constant chunk counts:
@@ -354,10 +426,10 @@ static int NAME(const struct kvrail_attention_args *a, int tid, int num_threads)
     return 1;                                                                                      \
 }
 
-DEFINE_64_AND_128(DEFINE_DECODE_AVX512, decode_avx512_f32, float, load_f32, float, load16_f32)
-DEFINE_64_AND_128(DEFINE_DECODE_AVX512, decode_avx512_bf16, uint16_t, load_bf16, uint16_t, load16_bf16)
-DEFINE_64_AND_128(DEFINE_DECODE_AVX512, decode_avx512_f32_fp8, float, load_f32, uint8_t, load16_e4m3)
-DEFINE_64_AND_128(DEFINE_DECODE_AVX512, decode_avx512_bf16_fp8, uint16_t, load_bf16, uint8_t, load16_e4m3)
+DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_f32, float, load_f32, float, vload_f32)
+DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_bf16, uint16_t, load_bf16, uint16_t, vload_bf16)
+DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_f32_fp8, float, load_f32, uint8_t, vload_e4m3)
+DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_bf16_fp8, uint16_t, load_bf16, uint8_t, vload_e4m3)
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -420,7 +492,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         const int seq_len = it.seq_len, g0 = it.g_begin, g1 = it.g_end;                            \
         const int32_t *blocks = a->block_table + it.req * a->stride_bt;                            \
         const uint16_t *qr = q + it.row * a->stride_q;                                             \
-        /* Pass 1: scores of 16 tokens at a time, as in the AVX-512 path. */                      \
+        /* Pass 1: scores of 16 tokens at a time, as in the vector path. */                        \
         for (int t0 = 0; t0 < seq_len; t0 += CHUNK) {                                              \
             const int n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;                             \
             for (int i = 0; i < n; i++) {                                                          \
@@ -443,7 +515,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
             for (int h = g0 * group; h < g1 * group; h++) {                                        \
                 for (int i = n; i < CHUNK; i++) part[h * CHUNK + i] = _mm512_setzero_ps();         \
                 _mm512_store_ps(scores + h * stride_s + t0,                                        \
-                                _mm512_mul_ps(sum16(part + h * CHUNK), score_scale));              \
+                                _mm512_mul_ps(vsum(part + h * CHUNK), score_scale));              \
             }                                                                                      \
         }                                                                                          \
         /* Softmax weights, unnormalized, rounded to bf16 (zero past the context: pass 2 */       \
@@ -523,12 +595,12 @@ void kvrail_decode_attention(const struct kvrail_attention_args *a, int tid,
                                                    : decode_dpbf16_bf16(a, tid, num_threads)))
         return;
 #endif
-#if defined(__AVX512F__)
+#if defined(VEC)
     const int done = a->cache_dtype == KVRAIL_FP8_E4M3
-                         ? (bf16 ? decode_avx512_bf16_fp8(a, tid, num_threads)
-                                 : decode_avx512_f32_fp8(a, tid, num_threads))
-                         : (bf16 ? decode_avx512_bf16(a, tid, num_threads)
-                                 : decode_avx512_f32(a, tid, num_threads));
+                         ? (bf16 ? decode_simd_bf16_fp8(a, tid, num_threads)
+                                 : decode_simd_f32_fp8(a, tid, num_threads))
+                         : (bf16 ? decode_simd_bf16(a, tid, num_threads)
+                                 : decode_simd_f32(a, tid, num_threads));
     if (done) return;
 #endif
     if (a->cache_dtype == KVRAIL_FP8_E4M3)
