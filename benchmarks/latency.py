@@ -12,8 +12,8 @@ for `--rounds` rounds so that the machine's slow spells fall on all of them alik
   from the difference of a 1-token and an N-token generate;
 - `llama.cpp`: a native build's `llama-bench -p P -n N` on the same GGUF (`--llama-bench`,
   default: `llama-bench` on PATH; see benchmarks/README.md for the build);
-- `baseline`: kvrail at git ref `--baseline-ref` (a worktree of it) over the same prompt: the
-  before of a before/after.
+- `baseline`, `baseline-int8`: kvrail (and kvrail int8) at git ref `--baseline-ref` (a
+  worktree of it) over the same prompt: the before of a before/after.
 
 Every kvrail system runs in a process of its own (this checkout, or the baseline's worktree),
 started afresh each round, the systems taking turns in an order that rotates: on an AMX Xeon
@@ -24,6 +24,7 @@ this process.
 Also reported: the bytes of every weight of the default and the int8 model.
 
     python -m benchmarks.latency --rounds 3 --baseline-ref 78ef656
+    python -m benchmarks.latency --rounds 6 --systems kvrail-int8,baseline-int8 --baseline-ref REF
 """
 
 from __future__ import annotations
@@ -41,15 +42,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("kvrail", "kvrail-int8", "kvrail-4k-pages", "hf", "llama.cpp", "baseline")
+SYSTEMS = (
+    "kvrail", "kvrail-int8", "kvrail-4k-pages", "hf", "llama.cpp", "baseline", "baseline-int8",
+)  # fmt: skip
 # Targets (issue 10): decode rate of the first system over the second's.
 TARGETS = {
     ("kvrail-int8", "llama.cpp"): 1.0,
     ("kvrail-int8", "hf"): 4.0,
     ("kvrail", "baseline"): 2.0,
 }
-# Reported, no target: what the engine's 2 MiB pages give (`envs.prefer_huge_pages`).
-COMPARISONS = (("kvrail", "kvrail-4k-pages"),)
+# Reported, no target: what the engine's 2 MiB pages give (`envs.prefer_huge_pages`), and
+# int8 after against before.
+COMPARISONS = (("kvrail", "kvrail-4k-pages"), ("kvrail-int8", "baseline-int8"))
 WEIGHT_BYTES_TARGET = 0.55  # int8 weights over the default dtype's, at most
 
 
@@ -285,12 +289,14 @@ def main(argv: list[str] | None = None) -> int:
             ("kvrail-int8", None, "int8", {}),
             ("kvrail-4k-pages", None, None, {"THP_MEM_ALLOC_ENABLE": "0"}),
             ("baseline", args.baseline_ref, None, {}),
+            ("baseline-int8", args.baseline_ref, "int8", {}),
         )
         if name in args.systems
     }
-    if "baseline" in kvrail and args.baseline_ref is None:
-        notes.append("baseline skipped: no --baseline-ref")
-        del kvrail["baseline"]
+    for name in ("baseline", "baseline-int8"):
+        if name in kvrail and args.baseline_ref is None:
+            notes.append(f"{name} skipped: no --baseline-ref")
+            del kvrail[name]
     peers = peer_timers(args, request, prompt, tokenizer, model_dir, info)
     for timer in peers.values():
         timer()  # warm-up
@@ -317,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
                         )
                         child.call("time_request", prompt, args.output_len)  # warm-up
                         dtype = quantization or child.ready.get("dtype")
-                        info["dtypes"][name] = f"kvrail {ref}" if ref else dtype
+                        info["dtypes"][name] = (
+                            f"kvrail {ref}" + (f" ({dtype})" if dtype else "") if ref else dtype
+                        )
                 if r == 0 and {"kvrail", "kvrail-int8"} <= set(children):
                     info["weight_bytes"] = {
                         name: children[name].ready["weight_bytes"]

@@ -131,9 +131,9 @@ static void quantize_row(const void *x, int dtype, int64_t K, int64_t k_padded, 
 /* raw[i * MAX_NT * 4 + v] += sums of row i of `xw` against weight vector v < nv of `wg`, over
  * ng groups of 4 k: nv = 2, half a panel, for tiles of 3-6 rows; nv = 4, the whole group of
  * 64 bytes, for 1-2 rows, so that each weight line is read by one pass, not two. Measured on
- * the 2-vCPU AVX2 EPYC, single-stream int8 decode (benchmarks.latency, both variants in one
- * run, fresh processes in rotating order, a slow day): 51.0 -> 65.4 tok/s over 6 rounds and
- * 48.0 -> 60.3 over 4, every round faster. */
+ * the 2-vCPU AVX2 EPYC, single-stream int8 decode (`benchmarks.latency --systems
+ * kvrail-int8,baseline-int8 --baseline-ref 7c9153a --rounds 4`, a slow, shared day): 71.4 ->
+ * 75.9 tok/s, 1.06x, every round faster (1.04-1.10x). */
 static inline __attribute__((always_inline)) void w8a8_vectors_avx2(const int16_t *xw,
                                                                     const int8_t *wg, int64_t ng,
                                                                     int mr, int nv,
