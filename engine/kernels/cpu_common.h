@@ -55,6 +55,39 @@ static inline float load_e4m3(const uint8_t *p) {
     return scaled * 0x1p120f;
 }
 
+/* With AVX512-BF16, the attention kernels multiply bf16 pairs (vdpbf16ps) and read the cache
+ * 32 elements a vector as bf16: loaded as is, or from fp8 e4m3 through a 128-entry table of
+ * the bf16 of each magnitude (every e4m3 value is exact in bf16); `lut` from e4m3_table. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+static inline __m512i load32_bf16(const uint16_t *p, const __m512i *lut) {
+    (void)lut;
+    return _mm512_loadu_si512(p);
+}
+
+static inline __m512i load32_e4m3(const uint8_t *p, const __m512i *lut) {
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i low = _mm512_permutex2var_epi16(lut[0], x, lut[1]); /* |x| < 64 */
+    const __m512i high = _mm512_permutex2var_epi16(lut[2], x, lut[3]);
+    const __m512i magnitude =
+        _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x40)), low, high);
+    /* magnitude | (x << 8 & 0x8000): the sign bit */
+    return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(x, 8),
+                                     _mm512_set1_epi16((short)0x8000), 0xf8);
+}
+
+/* lut[i / 32] lane i % 32: the bf16 of e4m3 magnitude i. */
+static inline void e4m3_table(__m512i *lut) {
+    uint16_t table[128];
+    for (int i = 0; i < 128; i++) {
+        const uint8_t x = (uint8_t)i;
+        table[i] = f32_to_bf16(load_e4m3(&x));
+    }
+    for (int i = 0; i < 4; i++) lut[i] = _mm512_loadu_si512(table + 32 * i);
+}
+#endif
+
 /* Instances of a kernel template DEFINE(NAME, T, LOAD_Q, C, LOAD_C, HEAD_DIM) for head sizes
  * 64 and 128, where the compiler sees constant loop lengths (fully unrolled, no remainder),
  * one for any other size (HEAD_DIM 0: read at run time), and NAME choosing among them. */
@@ -69,6 +102,21 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         NAME##_128(a, tid, num_threads);                                                           \
     else                                                                                           \
         NAME##_any(a, tid, num_threads);                                                           \
+}
+
+/* Instances of DEFINE(NAME, ..., HEAD_DIM) for head sizes 64 and 128 (constant chunk counts:
+ * the chunks stay in registers), and NAME choosing between them: 0 for any other size. */
+#define DEFINE_64_AND_128(DEFINE, NAME, ...)                                                       \
+DEFINE(NAME##_64, __VA_ARGS__, 64)                                                                 \
+DEFINE(NAME##_128, __VA_ARGS__, 128)                                                               \
+static int NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {               \
+    if (a->head_dim == 64)                                                                         \
+        NAME##_64(a, tid, num_threads);                                                            \
+    else if (a->head_dim == 128)                                                                   \
+        NAME##_128(a, tid, num_threads);                                                           \
+    else                                                                                           \
+        return 0;                                                                                  \
+    return 1;                                                                                      \
 }
 
 /* Element i of a float32 or bfloat16 array. */

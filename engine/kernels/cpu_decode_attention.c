@@ -411,21 +411,6 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     free(acc);                                                                                     \
 }
 
-/* Instances of DEFINE(NAME, ..., HEAD_DIM) for head sizes 64 and 128 (constant chunk counts:
- * the chunks stay in registers), and NAME choosing between them: 0 for any other size. */
-#define DEFINE_64_AND_128(DEFINE, NAME, ...)                                                       \
-DEFINE(NAME##_64, __VA_ARGS__, 64)                                                                 \
-DEFINE(NAME##_128, __VA_ARGS__, 128)                                                               \
-static int NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {               \
-    if (a->head_dim == 64)                                                                         \
-        NAME##_64(a, tid, num_threads);                                                            \
-    else if (a->head_dim == 128)                                                                   \
-        NAME##_128(a, tid, num_threads);                                                           \
-    else                                                                                           \
-        return 0;                                                                                  \
-    return 1;                                                                                      \
-}
-
 DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_f32, float, load_f32, float, vload_f32)
 DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_bf16, uint16_t, load_bf16, uint16_t, vload_bf16)
 DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_f32_fp8, float, load_f32, uint8_t, vload_e4m3)
@@ -443,32 +428,6 @@ DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_bf16_fp8, uint16_t, load_bf16,
  * caches, so only the arithmetic differs: bf16 cache 21.3 -> 16.2 ms against the AVX-512
  * path, fp8 cache 28.4 -> 18.4 ms; from DRAM, 48 sequences, this path with row prefetching
  * against the AVX-512 path without: bf16 42.0 -> 32.6 ms, fp8 36.4 -> 25.8 ms. */
-static inline __m512i load32_bf16(const uint16_t *p, const __m512i *lut) {
-    (void)lut;
-    return _mm512_loadu_si512(p);
-}
-
-static inline __m512i load32_e4m3(const uint8_t *p, const __m512i *lut) {
-    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
-    const __m512i low = _mm512_permutex2var_epi16(lut[0], x, lut[1]); /* |x| < 64 */
-    const __m512i high = _mm512_permutex2var_epi16(lut[2], x, lut[3]);
-    const __m512i magnitude =
-        _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x40)), low, high);
-    /* magnitude | (x << 8 & 0x8000): the sign bit */
-    return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(x, 8),
-                                     _mm512_set1_epi16((short)0x8000), 0xf8);
-}
-
-/* lut[i / 32] lane i % 32: the bf16 of e4m3 magnitude i. */
-static inline void e4m3_table(__m512i *lut) {
-    uint16_t table[128];
-    for (int i = 0; i < 128; i++) {
-        const uint8_t x = (uint8_t)i;
-        table[i] = f32_to_bf16(load_e4m3(&x));
-    }
-    for (int i = 0; i < 4; i++) lut[i] = _mm512_loadu_si512(table + 32 * i);
-}
-
 #define DEFINE_DECODE_DPBF16(NAME, C, LOAD32, HEAD_DIM)                                           \
 static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {        \
     const uint16_t *q = a->q;                                                                      \

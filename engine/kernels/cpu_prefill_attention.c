@@ -8,7 +8,8 @@
  * maxima, sums and outputs in fp32 while tiles of TILE keys stream by: S = Q K^T against the
  * tile's transposed keys (one vector of TILE scores per query row, no horizontal sums), the
  * online softmax, and O += P V. The loops over the keys of a tile and over head_dim are
- * written to vectorize (gcc, -O3 -march=native): AVX-512 or AVX2 alike.
+ * written to vectorize (gcc, -O3 -march=native): AVX-512 or AVX2 alike. With a bf16 query and
+ * AVX512-BF16, a transposed variant on bf16 pairs runs instead (DEFINE_PREFILL_DPBF16 below).
  *
  * Sums are kept in several independent registers (4 over head_dim for a score, head_dim /
  * TILE for an output row): one running sum per row waits on each FMA's latency (measured:
@@ -163,10 +164,216 @@ DEFINE_HEAD_DIM_INSTANCES(DEFINE_PREFILL, prefill_f32_fp8, float, load_f32, uint
 DEFINE_HEAD_DIM_INSTANCES(DEFINE_PREFILL, prefill_bf16_fp8, uint16_t, load_bf16, uint8_t,
                           load_e4m3)
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* With a bf16 query and AVX512-BF16, the same flash attention runs on bf16 pairs (vdpbf16ps:
+ * each fp32 lane adds two products), transposed: a vector holds 16 query rows of one head
+ * (the item's tokens), not 16 keys. Then nothing is reduced across lanes: a key's scores are
+ * 32 (head_dim 64) vdpbf16ps of the query pairs, transposed once per item, by that key's
+ * (k[2i], k[2i+1]) broadcast straight from the cache; the running maxima and sums, the
+ * rescaling and the softmax weights are vectors of 16 rows (exp16 below, no libm call per
+ * row); P . V takes the rows' weights of two keys interleaved (rounded to bf16, as flash
+ * attention's P is) by (v_t[d], v_t+1[d]) broadcast, 16 outputs of head_dim at a time in
+ * registers. Products and sums are fp32. Measured on the project's 2-vCPU AVX512-BF16 EPYC
+ * against the fp32 tiles above (`python -m benchmarks.attention_kernels`, the two builds in
+ * turn, twice): prompts 4 x 512 67-72 -> 156-162 GFLOP/s, 4 x 128 49-50 -> 74-84; a prompt step
+ * of the full workload in int8 (`benchmarks.profile_step --quantization int8 --skip-steps 2`,
+ * 2048 tokens): attention 338 -> 155 ms, the step 1,166 -> 955 ms. An item costs 16 rows however
+ * few queries it has (5 queries over 400 cached tokens: 113-127 us against 96-146). */
+typedef uint32_t u32_alias __attribute__((may_alias)); /* a bf16 pair, read in place */
+#define ROWS 16 /* query tokens of an item: the lanes of a vector */
+#define KEYS 16 /* keys of a tile */
+
+/* exp(x), 16 at a time: 2^n 2^f with f in [-1/2, 1/2] (Taylor to degree 6 of e^(f ln 2), relative
+ * error under 2e-7) scaled by vscalefps; x below -87 gives about 0 (not NaN: x may be -inf). */
+static inline __m512 exp16(__m512 x) {
+    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
+                                   _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    static const float c[] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f,
+                              2.4022651e-1f, 6.9314718e-1f, 1.0f};
+    __m512 p = _mm512_set1_ps(c[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Lane i: bf16(lo[i]) | bf16(hi[i]) << 16, rounded to nearest even (vcvtneps2bf16). */
+static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+    const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+    const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
+    return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
+}
+
+#define DEFINE_PREFILL_DPBF16(NAME, C, LOAD32, HEAD_DIM)                                          \
+static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {        \
+    const uint16_t *q = a->q;                                                                      \
+    const C *k_cache = a->k_cache, *v_cache = a->v_cache;                                          \
+    const int num_heads = (int)a->num_heads, num_kv = (int)a->num_kv_heads;                        \
+    const int hd = HEAD_DIM, np = HEAD_DIM / 2, group = num_heads / num_kv;                        \
+    const int64_t stride_slot = (int64_t)num_kv * hd;                                              \
+    const int bs_shift = __builtin_ctz((unsigned)a->block_size), bs_mask = (int)a->block_size - 1; \
+    const __m512 score_scale = _mm512_set1_ps(a->scale * a->k_scale);                              \
+    __m512i lut[4];                                                                                \
+    e4m3_table(lut);                                                                               \
+    /* Per thread: the item's query pairs transposed, qt[head][pair] (16 rows each), its */     \
+    /* outputs ot[head][e] (dimension order of the V pairs), the tile's keys as bf16 and */      \
+    /* its V pairs vp[key pair][e], e = 32c + 16h + l for dimension 32c + 8(l/4) + 4h + l%4 */   \
+    /* (how vpunpck{l,h}wd interleave two rows); a zero row for keys past the context. */       \
+    __m512i *qt = aligned_alloc(64, sizeof(__m512i) * (size_t)(group * np));                        \
+    __m512 *ot = aligned_alloc(64, sizeof(__m512) * (size_t)(group * hd));                          \
+    __m512 *m = aligned_alloc(64, sizeof(__m512) * (size_t)group);                                  \
+    __m512 *l = aligned_alloc(64, sizeof(__m512) * (size_t)group);                                  \
+    uint16_t kb[KEYS][HEAD_DIM] __attribute__((aligned(64)));                                      \
+    uint32_t vp[KEYS / 2][HEAD_DIM] __attribute__((aligned(64)));                                  \
+    static const uint16_t zero_row[HEAD_DIM] __attribute__((aligned(64)));                         \
+    int64_t item = 0;                                                                              \
+    for (int64_t n = 0; n < a->num_requests; n++) {                                                \
+        const int req = a->req_indices[n];                                                         \
+        const int64_t first = a->query_start_loc[req];                                             \
+        const int q_len = (int)(a->query_start_loc[req + 1] - first);                              \
+        const int seq_len = a->seq_lens[req], start = seq_len - q_len;                             \
+        const int32_t *blocks = a->block_table + req * a->stride_bt;                               \
+        for (int g = 0; g < num_kv; g++)                                                           \
+            for (int i0 = 0; i0 < q_len; i0 += ROWS, item++) {                                     \
+                if (item % num_threads != tid) continue;                                           \
+                const int nq = q_len - i0 < ROWS ? q_len - i0 : ROWS;                              \
+                /* Lane i: query token i0 + i at position start + i0 + i; lanes past nq are */   \
+                /* padding (position -1: every key masked; their outputs are not stored). */     \
+                const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,  \
+                                                       13, 14, 15);                                \
+                const __m512i pos = _mm512_mask_blend_epi32(                                      \
+                    _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(nq)), _mm512_set1_epi32(-1),  \
+                    _mm512_add_epi32(lane, _mm512_set1_epi32(start + i0)));                        \
+                for (int j = 0; j < group; j++) {                                                  \
+                    uint32_t rows[ROWS][HEAD_DIM / 2] __attribute__((aligned(64)));                \
+                    for (int i = 0; i < ROWS; i++)                                                 \
+                        if (i < nq)                                                                \
+                            memcpy(rows[i], q + (first + i0 + i) * a->stride_q                    \
+                                                + (int64_t)(g * group + j) * hd, 2 * (size_t)hd); \
+                        else                                                                       \
+                            memset(rows[i], 0, 2 * (size_t)hd);                                    \
+                    for (int p = 0; p < np; p++)                                                   \
+                        qt[j * np + p] = _mm512_i32gather_epi32(                                   \
+                            _mm512_mullo_epi32(lane, _mm512_set1_epi32(np)), &rows[0][p], 4);     \
+                    m[j] = _mm512_set1_ps(-FLT_MAX);                                               \
+                    l[j] = _mm512_setzero_ps();                                                    \
+                    for (int e = 0; e < hd; e++) ot[j * hd + e] = _mm512_setzero_ps();             \
+                }                                                                                  \
+                const int num_keys = start + i0 + nq; /* the last query's context */              \
+                for (int t0 = 0; t0 < num_keys; t0 += KEYS) {                                      \
+                    const int nk = num_keys - t0 < KEYS ? num_keys - t0 : KEYS;                    \
+                    const u32_alias *krow[KEYS];                                                    \
+                    const uint16_t *vrow[KEYS];                                                    \
+                    for (int t = 0; t < KEYS; t++) {                                               \
+                        if (t >= nk) {                                                             \
+                            krow[t] = (const u32_alias *)zero_row;                                  \
+                            vrow[t] = zero_row;                                                    \
+                            continue;                                                              \
+                        }                                                                          \
+                        const int key = t0 + t;                                                    \
+                        const int64_t slot = ((int64_t)blocks[key >> bs_shift] << bs_shift)        \
+                                             + (key & bs_mask);                                    \
+                        const C *k = k_cache + slot * stride_slot + g * hd;                        \
+                        const C *v = v_cache + slot * stride_slot + g * hd;                        \
+                        if (sizeof(C) == 2) { /* bf16: read in place */                           \
+                            krow[t] = (const u32_alias *)k;                                         \
+                            vrow[t] = (const uint16_t *)v;                                         \
+                        } else { /* e4m3: K to bf16 here, V below */                              \
+                            for (int c = 0; c < hd; c += 32)                                       \
+                                _mm512_store_si512(kb[t] + c, LOAD32(k + c, lut));                 \
+                            krow[t] = (const u32_alias *)kb[t];                                     \
+                            vrow[t] = (const uint16_t *)v;                                         \
+                        }                                                                          \
+                    }                                                                              \
+                    for (int t = 0; t < KEYS; t += 2)                                              \
+                        for (int c = 0; c < hd; c += 32) {                                         \
+                            const __m512i r0 = t < nk ? LOAD32((const C *)vrow[t] + c, lut)       \
+                                                      : _mm512_setzero_si512();                    \
+                            const __m512i r1 = t + 1 < nk ? LOAD32((const C *)vrow[t + 1] + c, lut) \
+                                                          : _mm512_setzero_si512();                \
+                            _mm512_store_si512(vp[t / 2] + c, _mm512_unpacklo_epi16(r0, r1));      \
+                            _mm512_store_si512(vp[t / 2] + c + 16, _mm512_unpackhi_epi16(r0, r1)); \
+                        }                                                                          \
+                    /* Keys at or past a row's position + 1 are out (and padding rows see none). */ \
+                    const int masked = t0 + KEYS > start + i0;                                     \
+                    for (int j = 0; j < group; j++) {                                              \
+                        __m512 s[KEYS];                                                            \
+                        for (int t = 0; t < KEYS; t++) s[t] = _mm512_setzero_ps();                 \
+                        for (int p = 0; p < np; p++) {                                             \
+                            const __m512bh qp = (__m512bh)qt[j * np + p];                          \
+                            for (int t = 0; t < KEYS; t++)                                         \
+                                s[t] = _mm512_dpbf16_ps(s[t], qp,                                  \
+                                                        (__m512bh)_mm512_set1_epi32((int)krow[t][p])); \
+                        }                                                                          \
+                        __m512 tile_max = m[j];                                                    \
+                        for (int t = 0; t < KEYS; t++) {                                           \
+                            s[t] = _mm512_mul_ps(s[t], score_scale);                               \
+                            if (masked)                                                            \
+                                s[t] = _mm512_mask_blend_ps(                                       \
+                                    _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(t0 + t)),       \
+                                    _mm512_set1_ps(-FLT_MAX), s[t]);                               \
+                            tile_max = _mm512_max_ps(tile_max, s[t]);                              \
+                        }                                                                          \
+                        const __m512 alpha = exp16(_mm512_sub_ps(m[j], tile_max));                 \
+                        m[j] = tile_max;                                                           \
+                        __m512 sum = _mm512_setzero_ps();                                          \
+                        for (int t = 0; t < KEYS; t++) {                                           \
+                            s[t] = exp16(_mm512_sub_ps(s[t], tile_max));                           \
+                            sum = _mm512_add_ps(sum, s[t]);                                        \
+                        }                                                                          \
+                        l[j] = _mm512_fmadd_ps(l[j], alpha, sum);                                  \
+                        __m512i pw[KEYS / 2];                                                      \
+                        for (int t = 0; t < KEYS; t += 2) pw[t / 2] = bf16_pairs(s[t], s[t + 1]);  \
+                        /* 16 outputs at a time stay in registers over the tile's key pairs. */    \
+                        for (int e0 = 0; e0 < hd; e0 += 16) {                                      \
+                            __m512 o[16];                                                          \
+                            for (int e = 0; e < 16; e++)                                           \
+                                o[e] = _mm512_mul_ps(ot[j * hd + e0 + e], alpha);                  \
+                            for (int t = 0; t < KEYS / 2; t++)                                     \
+                                for (int e = 0; e < 16; e++)                                       \
+                                    o[e] = _mm512_dpbf16_ps(                                       \
+                                        o[e], (__m512bh)pw[t],                                     \
+                                        (__m512bh)_mm512_set1_epi32((int)vp[t][e0 + e]));          \
+                            for (int e = 0; e < 16; e++) ot[j * hd + e0 + e] = o[e];               \
+                        }                                                                          \
+                    }                                                                              \
+                }                                                                                  \
+                for (int j = 0; j < group; j++) {                                                  \
+                    float res[HEAD_DIM][ROWS] __attribute__((aligned(64)));                        \
+                    /* l > 0 for every real row: its own position's key is seen */                \
+                    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(a->v_scale), l[j]);            \
+                    for (int e = 0; e < hd; e++)                                                   \
+                        _mm512_store_ps(res[e], _mm512_mul_ps(ot[j * hd + e], inv));               \
+                    for (int i = 0; i < nq; i++) {                                                 \
+                        const int64_t dst = ((first + i0 + i) * num_heads + g * group + j) * hd;   \
+                        for (int e = 0; e < hd; e++) {                                             \
+                            const int c = e / 32, h = e / 16 % 2, ll = e % 16;                     \
+                            store_float(a->out, KVRAIL_BF16,                                       \
+                                        dst + 32 * c + 8 * (ll / 4) + 4 * h + ll % 4, res[e][i]);  \
+                        }                                                                          \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+    }                                                                                              \
+    free(qt);                                                                                      \
+    free(ot);                                                                                      \
+    free(m);                                                                                       \
+    free(l);                                                                                       \
+}
+
+DEFINE_64_AND_128(DEFINE_PREFILL_DPBF16, prefill_dpbf16_bf16, uint16_t, load32_bf16)
+DEFINE_64_AND_128(DEFINE_PREFILL_DPBF16, prefill_dpbf16_fp8, uint8_t, load32_e4m3)
+#endif
+
 /* A cache in float holds q's dtype (the launcher checks). */
 void kvrail_prefill_attention(const struct kvrail_attention_args *a, int tid,
                               int num_threads) {
     const int bf16 = a->q_dtype == KVRAIL_BF16;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (bf16 && (a->cache_dtype == KVRAIL_FP8_E4M3 ? prefill_dpbf16_fp8(a, tid, num_threads)
+                                                   : prefill_dpbf16_bf16(a, tid, num_threads)))
+        return;
+#endif
     if (a->cache_dtype == KVRAIL_FP8_E4M3)
         bf16 ? prefill_bf16_fp8(a, tid, num_threads) : prefill_f32_fp8(a, tid, num_threads);
     else
