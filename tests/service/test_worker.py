@@ -711,7 +711,8 @@ async def test_load_engine_builds_in_a_thread_that_has_ended(model_dir):
     # A loader thread left alive keeps an OpenMP pool that slows the engine thread's steps.
     before = set(threading.enumerate())
     engine = await load_engine(model=model_dir, dtype="float32", num_kv_blocks=16)
-    assert set(threading.enumerate()) == before
+    # No thread it started is left (another test's pool thread may end meanwhile).
+    assert not set(threading.enumerate()) - before
     assert isinstance(engine, LLMEngine) and engine.config.num_kv_blocks == 16
     assert engine.engine_core.scheduler.kv_cache_manager.get_num_blocks_in_use() == 0
     with pytest.raises(ValueError, match="unknown engine option"):
