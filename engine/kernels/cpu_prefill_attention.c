@@ -42,6 +42,40 @@
 typedef float vtile __attribute__((vector_size(TILE * 4), aligned(TILE * 4)));
 #define MAX_CHUNKS (256 / TILE) /* head_dim <= 256 */
 
+/* Work items: `tile` query tokens of a request with one kv head's group of query heads, dealt
+ * out to threads in turn (request by request, head by head, tile by tile). */
+struct prefill_item {
+    int64_t n, count;     /* where the walk is: request n of req_indices, items passed */
+    int g, i;             /* its next kv head and first query */
+    int req, start;       /* the item: request, position of its first query token, */
+    int kv_head, q0, nq;  /* kv head, first query and number of queries, */
+    int64_t first;        /* and the request's first row of q and out */
+};
+
+/* Moves `it` to this thread's next item; 0 when there is none. */
+static int next_prefill_item(const struct kvrail_attention_args *a, int tid, int num_threads,
+                             int tile, struct prefill_item *it) {
+    for (; it->n < a->num_requests; it->n++, it->g = 0) {
+        const int req = a->req_indices[it->n];
+        const int64_t first = a->query_start_loc[req];
+        const int q_len = (int)(a->query_start_loc[req + 1] - first);
+        for (; it->g < a->num_kv_heads; it->g++, it->i = 0)
+            while (it->i < q_len) {
+                const int i0 = it->i;
+                it->i += tile;
+                if (it->count++ % num_threads != tid) continue;
+                it->req = req;
+                it->first = first;
+                it->start = a->seq_lens[req] - q_len;
+                it->kv_head = it->g;
+                it->q0 = i0;
+                it->nq = q_len - i0 < tile ? q_len - i0 : tile;
+                return 1;
+            }
+    }
+    return 0;
+}
+
 #define DEFINE_PREFILL(NAME, T, LOAD_Q, C, LOAD_C, HEAD_DIM)                                       \
 static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {       \
     const T *q = a->q;                                                                             \
@@ -58,96 +92,88 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     float *kt = aligned_alloc(64, sizeof(float) * (size_t)(hd * TILE)); /* keys, transposed */   \
     float *vf = aligned_alloc(64, sizeof(float) * (size_t)(TILE * hd));                            \
     float *m = malloc(sizeof(float) * (size_t)rows), *l = malloc(sizeof(float) * (size_t)rows);    \
-    int64_t item = 0;                                                                              \
-    for (int64_t n = 0; n < a->num_requests; n++) {                                                \
-        const int req = a->req_indices[n];                                                         \
-        const int64_t first = a->query_start_loc[req];                                             \
-        const int q_len = (int)(a->query_start_loc[req + 1] - first);                              \
-        const int seq_len = a->seq_lens[req], start = seq_len - q_len;                             \
-        const int32_t *blocks = a->block_table + req * a->stride_bt;                               \
-        for (int g = 0; g < num_kv; g++)                                                           \
-            for (int i0 = 0; i0 < q_len; i0 += TILE, item++) {                                     \
-                if (item % num_threads != tid) continue;                                           \
-                const int nq = q_len - i0 < TILE ? q_len - i0 : TILE;                              \
-                /* Row r = i * group + j: query token i0 + i, head g * group + j. */               \
-                for (int i = 0; i < nq; i++)                                                       \
-                    for (int j = 0; j < group; j++) {                                              \
-                        const T *src = q + (first + i0 + i) * a->stride_q + (g * group + j) * hd;  \
-                        float *dst = qf + (i * group + j) * hd;                                    \
-                        for (int d = 0; d < hd; d++) dst[d] = LOAD_Q(src + d) * q_scale;           \
-                    }                                                                              \
-                for (int r = 0; r < nq * group; r++) {                                             \
-                    m[r] = -FLT_MAX;                                                               \
-                    l[r] = 0.0f;                                                                   \
-                    for (int d = 0; d < hd; d++) o[r * hd + d] = 0.0f;                             \
+    for (struct prefill_item it = {0}; next_prefill_item(a, tid, num_threads, TILE, &it);) {       \
+        const int64_t first = it.first;                                                            \
+        const int start = it.start, g = it.kv_head, i0 = it.q0, nq = it.nq;                        \
+        const int32_t *blocks = a->block_table + it.req * a->stride_bt;                            \
+        /* Row r = i * group + j: query token i0 + i, head g * group + j. */                       \
+        for (int i = 0; i < nq; i++)                                                               \
+            for (int j = 0; j < group; j++) {                                                      \
+                const T *src = q + (first + i0 + i) * a->stride_q + (g * group + j) * hd;          \
+                float *dst = qf + (i * group + j) * hd;                                            \
+                for (int d = 0; d < hd; d++) dst[d] = LOAD_Q(src + d) * q_scale;                   \
+            }                                                                                      \
+        for (int r = 0; r < nq * group; r++) {                                                     \
+            m[r] = -FLT_MAX;                                                                       \
+            l[r] = 0.0f;                                                                           \
+            for (int d = 0; d < hd; d++) o[r * hd + d] = 0.0f;                                     \
+        }                                                                                          \
+        const int num_keys = start + i0 + nq; /* the last query's context */                       \
+        for (int t0 = 0; t0 < num_keys; t0 += TILE) {                                              \
+            const int nk = num_keys - t0 < TILE ? num_keys - t0 : TILE;                            \
+            for (int j = 0; j < TILE; j++) {                                                       \
+                if (j >= nk) { /* a partial tile: zero keys, masked below */                       \
+                    for (int d = 0; d < hd; d++) kt[d * TILE + j] = 0.0f;                          \
+                    for (int d = 0; d < hd; d++) vf[j * hd + d] = 0.0f;                            \
+                    continue;                                                                      \
                 }                                                                                  \
-                const int num_keys = start + i0 + nq; /* the last query's context */              \
-                for (int t0 = 0; t0 < num_keys; t0 += TILE) {                                      \
-                    const int nk = num_keys - t0 < TILE ? num_keys - t0 : TILE;                    \
-                    for (int j = 0; j < TILE; j++) {                                               \
-                        if (j >= nk) { /* a partial tile: zero keys, masked below */              \
-                            for (int d = 0; d < hd; d++) kt[d * TILE + j] = 0.0f;                  \
-                            for (int d = 0; d < hd; d++) vf[j * hd + d] = 0.0f;                    \
-                            continue;                                                              \
-                        }                                                                          \
-                        const int t = t0 + j;                                                      \
-                        const int64_t slot = ((int64_t)blocks[t >> bs_shift] << bs_shift)          \
-                                             + (t & bs_mask);                                      \
-                        const C *k = k_cache + slot * stride_slot + g * hd;                        \
-                        const C *v = v_cache + slot * stride_slot + g * hd;                        \
-                        for (int d = 0; d < hd; d++) kt[d * TILE + j] = LOAD_C(k + d);             \
-                        _Pragma("omp simd")                                                        \
-                        for (int d = 0; d < hd; d++) vf[j * hd + d] = LOAD_C(v + d);               \
-                    }                                                                              \
-                    const vtile *ktv = (const vtile *)kt;                                          \
-                    for (int r = 0; r < nq * group; r++) {                                         \
-                        const float *qr = qf + r * hd;                                             \
-                        /* Four independent sums: one chain of FMAs would wait on each. */        \
-                        vtile s4[4] = {{0}, {0}, {0}, {0}};                                        \
-                        for (int d = 0; d < hd; d += 4)                                            \
-                            for (int u = 0; u < 4; u++) s4[u] += qr[d + u] * ktv[d + u];           \
-                        const vtile s = (s4[0] + s4[1]) + (s4[2] + s4[3]);                         \
-                        /* Keys past this row's position (and past the tile's end) are out. */    \
-                        const int seen = start + i0 + r / group - t0 + 1;                          \
-                        const int valid = seen < nk ? seen : nk;                                   \
-                        if (valid <= 0) continue; /* every key of the tile is ahead */             \
-                        float sc[TILE];                                                            \
-                        memcpy(sc, &s, sizeof sc);                                                 \
-                        float tile_max = -FLT_MAX;                                                 \
-                        _Pragma("omp simd reduction(max:tile_max)")                                \
-                        for (int j = 0; j < TILE; j++) {                                           \
-                            sc[j] = j < valid ? sc[j] : -FLT_MAX; /* exp gives 0 */               \
-                            tile_max = sc[j] > tile_max ? sc[j] : tile_max;                        \
-                        }                                                                          \
-                        const float m_new = tile_max > m[r] ? tile_max : m[r];                     \
-                        const float alpha = expf(m[r] - m_new);                                    \
-                        float p[TILE], sum = 0.0f;                                                 \
-                        /* Unconditional, so that it is one vector expf (libmvec). */             \
-                        _Pragma("omp simd reduction(+:sum)")                                       \
-                        for (int j = 0; j < TILE; j++) {                                           \
-                            p[j] = expf(sc[j] - m_new);                                            \
-                            sum += p[j];                                                           \
-                        }                                                                          \
-                        l[r] = l[r] * alpha + sum;                                                 \
-                        m[r] = m_new;                                                              \
-                        vtile *orow = (vtile *)(o + r * hd);                                       \
-                        const vtile *vv = (const vtile *)vf;                                       \
-                        /* Key by key, all of head_dim at once: hd / TILE independent sums. */    \
-                        vtile acc[HEAD_DIM ? HEAD_DIM / TILE : MAX_CHUNKS];                        \
-                        for (int c = 0; c < hd / TILE; c++) acc[c] = orow[c] * alpha;              \
-                        for (int j = 0; j < valid; j++)                                            \
-                            for (int c = 0; c < hd / TILE; c++) acc[c] += p[j] * vv[j * (hd / TILE) + c]; \
-                        for (int c = 0; c < hd / TILE; c++) orow[c] = acc[c];                      \
-                    }                                                                              \
+                const int t = t0 + j;                                                              \
+                const int64_t slot = ((int64_t)blocks[t >> bs_shift] << bs_shift)                  \
+                                     + (t & bs_mask);                                              \
+                const C *k = k_cache + slot * stride_slot + g * hd;                                \
+                const C *v = v_cache + slot * stride_slot + g * hd;                                \
+                for (int d = 0; d < hd; d++) kt[d * TILE + j] = LOAD_C(k + d);                     \
+                _Pragma("omp simd")                                                                \
+                for (int d = 0; d < hd; d++) vf[j * hd + d] = LOAD_C(v + d);                       \
+            }                                                                                      \
+            const vtile *ktv = (const vtile *)kt;                                                  \
+            for (int r = 0; r < nq * group; r++) {                                                 \
+                const float *qr = qf + r * hd;                                                     \
+                /* Four independent sums: one chain of FMAs would wait on each. */                 \
+                vtile s4[4] = {{0}, {0}, {0}, {0}};                                                \
+                for (int d = 0; d < hd; d += 4)                                                    \
+                    for (int u = 0; u < 4; u++) s4[u] += qr[d + u] * ktv[d + u];                   \
+                const vtile s = (s4[0] + s4[1]) + (s4[2] + s4[3]);                                 \
+                /* Keys past this row's position (and past the tile's end) are out. */             \
+                const int seen = start + i0 + r / group - t0 + 1;                                  \
+                const int valid = seen < nk ? seen : nk;                                           \
+                if (valid <= 0) continue; /* every key of the tile is ahead */                     \
+                float sc[TILE];                                                                    \
+                memcpy(sc, &s, sizeof sc);                                                         \
+                float tile_max = -FLT_MAX;                                                         \
+                _Pragma("omp simd reduction(max:tile_max)")                                        \
+                for (int j = 0; j < TILE; j++) {                                                   \
+                    sc[j] = j < valid ? sc[j] : -FLT_MAX; /* exp gives 0 */                        \
+                    tile_max = sc[j] > tile_max ? sc[j] : tile_max;                                \
                 }                                                                                  \
-                for (int i = 0; i < nq; i++)                                                       \
-                    for (int j = 0; j < group; j++) {                                              \
-                        const int r = i * group + j;                                               \
-                        const float inv = a->v_scale / l[r]; /* l > 0: key `pos` is seen */       \
-                        const int64_t dst = ((first + i0 + i) * num_heads + g * group + j) * hd;   \
-                        for (int d = 0; d < hd; d++)                                               \
-                            store_float(a->out, (int)a->q_dtype, dst + d, o[r * hd + d] * inv);    \
-                    }                                                                              \
+                const float m_new = tile_max > m[r] ? tile_max : m[r];                             \
+                const float alpha = expf(m[r] - m_new);                                            \
+                float p[TILE], sum = 0.0f;                                                         \
+                /* Unconditional, so that it is one vector expf (libmvec). */                      \
+                _Pragma("omp simd reduction(+:sum)")                                               \
+                for (int j = 0; j < TILE; j++) {                                                   \
+                    p[j] = expf(sc[j] - m_new);                                                    \
+                    sum += p[j];                                                                   \
+                }                                                                                  \
+                l[r] = l[r] * alpha + sum;                                                         \
+                m[r] = m_new;                                                                      \
+                vtile *orow = (vtile *)(o + r * hd);                                               \
+                const vtile *vv = (const vtile *)vf;                                               \
+                /* Key by key, all of head_dim at once: hd / TILE independent sums. */             \
+                vtile acc[HEAD_DIM ? HEAD_DIM / TILE : MAX_CHUNKS];                                \
+                for (int c = 0; c < hd / TILE; c++) acc[c] = orow[c] * alpha;                      \
+                for (int j = 0; j < valid; j++)                                                    \
+                    for (int c = 0; c < hd / TILE; c++) acc[c] += p[j] * vv[j * (hd / TILE) + c];  \
+                for (int c = 0; c < hd / TILE; c++) orow[c] = acc[c];                              \
+            }                                                                                      \
+        }                                                                                          \
+        for (int i = 0; i < nq; i++)                                                               \
+            for (int j = 0; j < group; j++) {                                                      \
+                const int r = i * group + j;                                                       \
+                const float inv = a->v_scale / l[r]; /* l > 0: key `pos` is seen */                \
+                const int64_t dst = ((first + i0 + i) * num_heads + g * group + j) * hd;           \
+                for (int d = 0; d < hd; d++)                                                       \
+                    store_float(a->out, (int)a->q_dtype, dst + d, o[r * hd + d] * inv);            \
             }                                                                                      \
     }                                                                                              \
     free(qf);                                                                                      \
@@ -226,134 +252,126 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     uint16_t kb[KEYS][HEAD_DIM] __attribute__((aligned(64)));                                      \
     uint32_t vp[KEYS / 2][HEAD_DIM] __attribute__((aligned(64)));                                  \
     static const uint16_t zero_row[HEAD_DIM] __attribute__((aligned(64)));                         \
-    int64_t item = 0;                                                                              \
-    for (int64_t n = 0; n < a->num_requests; n++) {                                                \
-        const int req = a->req_indices[n];                                                         \
-        const int64_t first = a->query_start_loc[req];                                             \
-        const int q_len = (int)(a->query_start_loc[req + 1] - first);                              \
-        const int seq_len = a->seq_lens[req], start = seq_len - q_len;                             \
-        const int32_t *blocks = a->block_table + req * a->stride_bt;                               \
-        for (int g = 0; g < num_kv; g++)                                                           \
-            for (int i0 = 0; i0 < q_len; i0 += ROWS, item++) {                                     \
-                if (item % num_threads != tid) continue;                                           \
-                const int nq = q_len - i0 < ROWS ? q_len - i0 : ROWS;                              \
-                /* Lane i: query token i0 + i at position start + i0 + i; lanes past nq are */   \
-                /* padding (position -1: every key masked; their outputs are not stored). */     \
-                const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,  \
-                                                       13, 14, 15);                                \
-                const __m512i pos = _mm512_mask_blend_epi32(                                      \
-                    _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(nq)), _mm512_set1_epi32(-1),  \
-                    _mm512_add_epi32(lane, _mm512_set1_epi32(start + i0)));                        \
-                for (int j = 0; j < group; j++) {                                                  \
-                    uint32_t rows[ROWS][HEAD_DIM / 2] __attribute__((aligned(64)));                \
-                    for (int i = 0; i < ROWS; i++)                                                 \
-                        if (i < nq)                                                                \
-                            memcpy(rows[i], q + (first + i0 + i) * a->stride_q                    \
-                                                + (int64_t)(g * group + j) * hd, 2 * (size_t)hd); \
-                        else                                                                       \
-                            memset(rows[i], 0, 2 * (size_t)hd);                                    \
-                    for (int p = 0; p < np; p++)                                                   \
-                        qt[j * np + p] = _mm512_i32gather_epi32(                                   \
-                            _mm512_mullo_epi32(lane, _mm512_set1_epi32(np)), &rows[0][p], 4);     \
-                    m[j] = _mm512_set1_ps(-FLT_MAX);                                               \
-                    l[j] = _mm512_setzero_ps();                                                    \
-                    for (int e = 0; e < hd; e++) ot[j * hd + e] = _mm512_setzero_ps();             \
+    for (struct prefill_item it = {0}; next_prefill_item(a, tid, num_threads, ROWS, &it);) {       \
+        const int64_t first = it.first;                                                            \
+        const int start = it.start, g = it.kv_head, i0 = it.q0, nq = it.nq;                        \
+        const int32_t *blocks = a->block_table + it.req * a->stride_bt;                            \
+        /* Lane i: query token i0 + i at position start + i0 + i; lanes past nq are */             \
+        /* padding (position -1: every key masked; their outputs are not stored). */               \
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,           \
+                                               13, 14, 15);                                        \
+        const __m512i pos = _mm512_mask_blend_epi32(                                               \
+            _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(nq)), _mm512_set1_epi32(-1),           \
+            _mm512_add_epi32(lane, _mm512_set1_epi32(start + i0)));                                \
+        for (int j = 0; j < group; j++) {                                                          \
+            uint32_t rows[ROWS][HEAD_DIM / 2] __attribute__((aligned(64)));                        \
+            for (int i = 0; i < ROWS; i++)                                                         \
+                if (i < nq)                                                                        \
+                    memcpy(rows[i], q + (first + i0 + i) * a->stride_q                             \
+                                        + (int64_t)(g * group + j) * hd, 2 * (size_t)hd);          \
+                else                                                                               \
+                    memset(rows[i], 0, 2 * (size_t)hd);                                            \
+            for (int p = 0; p < np; p++)                                                           \
+                qt[j * np + p] = _mm512_i32gather_epi32(                                           \
+                    _mm512_mullo_epi32(lane, _mm512_set1_epi32(np)), &rows[0][p], 4);              \
+            m[j] = _mm512_set1_ps(-FLT_MAX);                                                       \
+            l[j] = _mm512_setzero_ps();                                                            \
+            for (int e = 0; e < hd; e++) ot[j * hd + e] = _mm512_setzero_ps();                     \
+        }                                                                                          \
+        const int num_keys = start + i0 + nq; /* the last query's context */                       \
+        for (int t0 = 0; t0 < num_keys; t0 += KEYS) {                                              \
+            const int nk = num_keys - t0 < KEYS ? num_keys - t0 : KEYS;                            \
+            const u32_alias *krow[KEYS];                                                           \
+            const uint16_t *vrow[KEYS];                                                            \
+            for (int t = 0; t < KEYS; t++) {                                                       \
+                if (t >= nk) {                                                                     \
+                    krow[t] = (const u32_alias *)zero_row;                                         \
+                    vrow[t] = zero_row;                                                            \
+                    continue;                                                                      \
                 }                                                                                  \
-                const int num_keys = start + i0 + nq; /* the last query's context */              \
-                for (int t0 = 0; t0 < num_keys; t0 += KEYS) {                                      \
-                    const int nk = num_keys - t0 < KEYS ? num_keys - t0 : KEYS;                    \
-                    const u32_alias *krow[KEYS];                                                    \
-                    const uint16_t *vrow[KEYS];                                                    \
-                    for (int t = 0; t < KEYS; t++) {                                               \
-                        if (t >= nk) {                                                             \
-                            krow[t] = (const u32_alias *)zero_row;                                  \
-                            vrow[t] = zero_row;                                                    \
-                            continue;                                                              \
-                        }                                                                          \
-                        const int key = t0 + t;                                                    \
-                        const int64_t slot = ((int64_t)blocks[key >> bs_shift] << bs_shift)        \
-                                             + (key & bs_mask);                                    \
-                        const C *k = k_cache + slot * stride_slot + g * hd;                        \
-                        const C *v = v_cache + slot * stride_slot + g * hd;                        \
-                        if (sizeof(C) == 2) { /* bf16: read in place */                           \
-                            krow[t] = (const u32_alias *)k;                                         \
-                            vrow[t] = (const uint16_t *)v;                                         \
-                        } else { /* e4m3: K to bf16 here, V below */                              \
-                            for (int c = 0; c < hd; c += 32)                                       \
-                                _mm512_store_si512(kb[t] + c, LOAD32(k + c, lut));                 \
-                            krow[t] = (const u32_alias *)kb[t];                                     \
-                            vrow[t] = (const uint16_t *)v;                                         \
-                        }                                                                          \
-                    }                                                                              \
-                    for (int t = 0; t < KEYS; t += 2)                                              \
-                        for (int c = 0; c < hd; c += 32) {                                         \
-                            const __m512i r0 = t < nk ? LOAD32((const C *)vrow[t] + c, lut)       \
-                                                      : _mm512_setzero_si512();                    \
-                            const __m512i r1 = t + 1 < nk ? LOAD32((const C *)vrow[t + 1] + c, lut) \
-                                                          : _mm512_setzero_si512();                \
-                            _mm512_store_si512(vp[t / 2] + c, _mm512_unpacklo_epi16(r0, r1));      \
-                            _mm512_store_si512(vp[t / 2] + c + 16, _mm512_unpackhi_epi16(r0, r1)); \
-                        }                                                                          \
-                    /* Keys at or past a row's position + 1 are out (and padding rows see none). */ \
-                    const int masked = t0 + KEYS > start + i0;                                     \
-                    for (int j = 0; j < group; j++) {                                              \
-                        __m512 s[KEYS];                                                            \
-                        for (int t = 0; t < KEYS; t++) s[t] = _mm512_setzero_ps();                 \
-                        for (int p = 0; p < np; p++) {                                             \
-                            const __m512bh qp = (__m512bh)qt[j * np + p];                          \
-                            for (int t = 0; t < KEYS; t++)                                         \
-                                s[t] = _mm512_dpbf16_ps(s[t], qp,                                  \
-                                                        (__m512bh)_mm512_set1_epi32((int)krow[t][p])); \
-                        }                                                                          \
-                        __m512 tile_max = m[j];                                                    \
-                        for (int t = 0; t < KEYS; t++) {                                           \
-                            s[t] = _mm512_mul_ps(s[t], score_scale);                               \
-                            if (masked)                                                            \
-                                s[t] = _mm512_mask_blend_ps(                                       \
-                                    _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(t0 + t)),       \
-                                    _mm512_set1_ps(-FLT_MAX), s[t]);                               \
-                            tile_max = _mm512_max_ps(tile_max, s[t]);                              \
-                        }                                                                          \
-                        const __m512 alpha = exp16(_mm512_sub_ps(m[j], tile_max));                 \
-                        m[j] = tile_max;                                                           \
-                        __m512 sum = _mm512_setzero_ps();                                          \
-                        for (int t = 0; t < KEYS; t++) {                                           \
-                            s[t] = exp16(_mm512_sub_ps(s[t], tile_max));                           \
-                            sum = _mm512_add_ps(sum, s[t]);                                        \
-                        }                                                                          \
-                        l[j] = _mm512_fmadd_ps(l[j], alpha, sum);                                  \
-                        __m512i pw[KEYS / 2];                                                      \
-                        for (int t = 0; t < KEYS; t += 2) pw[t / 2] = bf16_pairs(s[t], s[t + 1]);  \
-                        /* 16 outputs at a time stay in registers over the tile's key pairs. */    \
-                        for (int e0 = 0; e0 < hd; e0 += 16) {                                      \
-                            __m512 o[16];                                                          \
-                            for (int e = 0; e < 16; e++)                                           \
-                                o[e] = _mm512_mul_ps(ot[j * hd + e0 + e], alpha);                  \
-                            for (int t = 0; t < KEYS / 2; t++)                                     \
-                                for (int e = 0; e < 16; e++)                                       \
-                                    o[e] = _mm512_dpbf16_ps(                                       \
-                                        o[e], (__m512bh)pw[t],                                     \
-                                        (__m512bh)_mm512_set1_epi32((int)vp[t][e0 + e]));          \
-                            for (int e = 0; e < 16; e++) ot[j * hd + e0 + e] = o[e];               \
-                        }                                                                          \
-                    }                                                                              \
-                }                                                                                  \
-                for (int j = 0; j < group; j++) {                                                  \
-                    float res[HEAD_DIM][ROWS] __attribute__((aligned(64)));                        \
-                    /* l > 0 for every real row: its own position's key is seen */                \
-                    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(a->v_scale), l[j]);            \
-                    for (int e = 0; e < hd; e++)                                                   \
-                        _mm512_store_ps(res[e], _mm512_mul_ps(ot[j * hd + e], inv));               \
-                    for (int i = 0; i < nq; i++) {                                                 \
-                        const int64_t dst = ((first + i0 + i) * num_heads + g * group + j) * hd;   \
-                        for (int e = 0; e < hd; e++) {                                             \
-                            const int c = e / 32, h = e / 16 % 2, ll = e % 16;                     \
-                            store_float(a->out, KVRAIL_BF16,                                       \
-                                        dst + 32 * c + 8 * (ll / 4) + 4 * h + ll % 4, res[e][i]);  \
-                        }                                                                          \
-                    }                                                                              \
+                const int key = t0 + t;                                                            \
+                const int64_t slot = ((int64_t)blocks[key >> bs_shift] << bs_shift)                \
+                                     + (key & bs_mask);                                            \
+                const C *k = k_cache + slot * stride_slot + g * hd;                                \
+                const C *v = v_cache + slot * stride_slot + g * hd;                                \
+                if (sizeof(C) == 2) { /* bf16: read in place */                                    \
+                    krow[t] = (const u32_alias *)k;                                                \
+                    vrow[t] = (const uint16_t *)v;                                                 \
+                } else { /* e4m3: K to bf16 here, V below */                                       \
+                    for (int c = 0; c < hd; c += 32)                                               \
+                        _mm512_store_si512(kb[t] + c, LOAD32(k + c, lut));                         \
+                    krow[t] = (const u32_alias *)kb[t];                                            \
+                    vrow[t] = (const uint16_t *)v;                                                 \
                 }                                                                                  \
             }                                                                                      \
+            for (int t = 0; t < KEYS; t += 2)                                                      \
+                for (int c = 0; c < hd; c += 32) {                                                 \
+                    const __m512i r0 = t < nk ? LOAD32((const C *)vrow[t] + c, lut)                \
+                                              : _mm512_setzero_si512();                            \
+                    const __m512i r1 = t + 1 < nk ? LOAD32((const C *)vrow[t + 1] + c, lut)        \
+                                                  : _mm512_setzero_si512();                        \
+                    _mm512_store_si512(vp[t / 2] + c, _mm512_unpacklo_epi16(r0, r1));              \
+                    _mm512_store_si512(vp[t / 2] + c + 16, _mm512_unpackhi_epi16(r0, r1));         \
+                }                                                                                  \
+            /* Keys at or past a row's position + 1 are out (and padding rows see none). */        \
+            const int masked = t0 + KEYS > start + i0;                                             \
+            for (int j = 0; j < group; j++) {                                                      \
+                __m512 s[KEYS];                                                                    \
+                for (int t = 0; t < KEYS; t++) s[t] = _mm512_setzero_ps();                         \
+                for (int p = 0; p < np; p++) {                                                     \
+                    const __m512bh qp = (__m512bh)qt[j * np + p];                                  \
+                    for (int t = 0; t < KEYS; t++)                                                 \
+                        s[t] = _mm512_dpbf16_ps(s[t], qp,                                          \
+                                                (__m512bh)_mm512_set1_epi32((int)krow[t][p]));     \
+                }                                                                                  \
+                __m512 tile_max = m[j];                                                            \
+                for (int t = 0; t < KEYS; t++) {                                                   \
+                    s[t] = _mm512_mul_ps(s[t], score_scale);                                       \
+                    if (masked)                                                                    \
+                        s[t] = _mm512_mask_blend_ps(                                               \
+                            _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(t0 + t)),               \
+                            _mm512_set1_ps(-FLT_MAX), s[t]);                                       \
+                    tile_max = _mm512_max_ps(tile_max, s[t]);                                      \
+                }                                                                                  \
+                const __m512 alpha = exp16(_mm512_sub_ps(m[j], tile_max));                         \
+                m[j] = tile_max;                                                                   \
+                __m512 sum = _mm512_setzero_ps();                                                  \
+                for (int t = 0; t < KEYS; t++) {                                                   \
+                    s[t] = exp16(_mm512_sub_ps(s[t], tile_max));                                   \
+                    sum = _mm512_add_ps(sum, s[t]);                                                \
+                }                                                                                  \
+                l[j] = _mm512_fmadd_ps(l[j], alpha, sum);                                          \
+                __m512i pw[KEYS / 2];                                                              \
+                for (int t = 0; t < KEYS; t += 2) pw[t / 2] = bf16_pairs(s[t], s[t + 1]);          \
+                /* 16 outputs at a time stay in registers over the tile's key pairs. */            \
+                for (int e0 = 0; e0 < hd; e0 += 16) {                                              \
+                    __m512 o[16];                                                                  \
+                    for (int e = 0; e < 16; e++)                                                   \
+                        o[e] = _mm512_mul_ps(ot[j * hd + e0 + e], alpha);                          \
+                    for (int t = 0; t < KEYS / 2; t++)                                             \
+                        for (int e = 0; e < 16; e++)                                               \
+                            o[e] = _mm512_dpbf16_ps(                                               \
+                                o[e], (__m512bh)pw[t],                                             \
+                                (__m512bh)_mm512_set1_epi32((int)vp[t][e0 + e]));                  \
+                    for (int e = 0; e < 16; e++) ot[j * hd + e0 + e] = o[e];                       \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        for (int j = 0; j < group; j++) {                                                          \
+            float res[HEAD_DIM][ROWS] __attribute__((aligned(64)));                                \
+            /* l > 0 for every real row: its own position's key is seen */                         \
+            const __m512 inv = _mm512_div_ps(_mm512_set1_ps(a->v_scale), l[j]);                    \
+            for (int e = 0; e < hd; e++)                                                           \
+                _mm512_store_ps(res[e], _mm512_mul_ps(ot[j * hd + e], inv));                       \
+            for (int i = 0; i < nq; i++) {                                                         \
+                const int64_t dst = ((first + i0 + i) * num_heads + g * group + j) * hd;           \
+                for (int e = 0; e < hd; e++) {                                                     \
+                    const int c = e / 32, h = e / 16 % 2, ll = e % 16;                             \
+                    store_float(a->out, KVRAIL_BF16,                                               \
+                                dst + 32 * c + 8 * (ll / 4) + 4 * h + ll % 4, res[e][i]);          \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
     }                                                                                              \
     free(qt);                                                                                      \
     free(ot);                                                                                      \
