@@ -10,11 +10,18 @@ the arithmetic rate (QK^T and PV, causal: only the scores a query attends to). E
 calls its case `--repeats` times after one untimed call, so the case's cache and queries sit
 in the CPU's caches: like `linear_kernels.py` this times the kernels, not DRAM (a case run
 right after the 4 x 512 prompts, cold, took 2-5x longer on a 2-vCPU AVX2 EPYC). The one
-exception is a batch of `--batch-size` decodes, a full batch's decode step: its cache (78 MB
-in fp32 for 128 x 400 tokens) is larger than the CPU's caches, so it reads DRAM as the
-engine's step does. Decode steps are timed over an fp8 cache too.
+exception is a batch of `--batch-size` decodes, a full batch's decode step: it runs over
+`--layers` layers, each with a cache of its own (for 128 x 400 tokens, 39 MB a layer in bf16:
+one layer would still sit partly in a 32 MB L3 from call to call), so it reads DRAM as the
+engine's step does; its GB/s counts the K and V bytes read. Decode steps are timed over an
+fp8 cache too.
+
+`--baseline-ref REF` builds the kernel library of git ref REF (in a worktree) and times
+every paged case on it too, in the same process, the two libraries taking turns: the before
+of a before/after, free of the drift between two runs on a shared machine.
 
     python -m benchmarks.attention_kernels --context-len 400 --verify-queries 5,8
+    python -m benchmarks.attention_kernels --baseline-ref HEAD~1 --name attention_kernels-ab
 """
 
 from __future__ import annotations
@@ -40,9 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--context-len", type=int, default=400, help="cached tokens of a decode / verify step")
     add("--verify-queries", default="5,8", help="query tokens of verify steps (1 + k)")
     add("--batch-size", type=int, default=128, help="sequences of the batched decode step")
+    add("--layers", type=int, default=8, help="layers of the batched decode step, from DRAM")
     add("--block-size", type=int, default=16)
     add("--rounds", type=int, default=10)
     add("--repeats", type=int, default=10, help="calls of a case in a row, each round")
+    add("--baseline-ref", default=None, help="git ref whose kernel library is timed too")
     add("--name", default="attention_kernels")
     args = parser.parse_args(argv)
     args.prompt_lens = [int(n) for n in args.prompt_lens.split(",") if n]
@@ -101,37 +110,101 @@ def attended_flop(heads: tuple[int, int, int], q_lens: list[int], seq_lens: list
     return 2 * 2 * pairs * num_heads * head_dim
 
 
+def kv_bytes(tensors: dict[str, Any]) -> int:
+    """K and V bytes a decode step reads: every sequence's context, once."""
+    k_cache = tensors["k_cache"]
+    row = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    return 2 * row * int(tensors["seq_lens"].sum())
+
+
+def baseline_library(ref: str) -> Any:
+    """The kernel library of git ref `ref`, built in a worktree by its own `cpu_build`."""
+    import ctypes
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.engine_process import worktree
+
+    with worktree(ref) as tree:
+        path = subprocess.run(
+            [sys.executable, "-c",
+             "from engine.kernels import cpu_build; print(cpu_build.load_library()._name)"],
+            cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+            capture_output=True, text=True, check=True,
+        ).stdout.split()[-1]  # fmt: skip
+    lib = ctypes.CDLL(path)  # the built library lives in the kernel cache, not the worktree
+    lib.kvrail_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return lib
+
+
+def paged_runner(lib: Any, kernel: str, layers: list[dict[str, Any]], threads: int) -> Any:
+    """Run `kernel` of library `lib` once on each layer's tensors, as `cpu_runtime.launch`
+    does (one team per call)."""
+    import ctypes
+
+    from engine.kernels.cpu_attention import _attention_args
+
+    fn = ctypes.cast(getattr(lib, kernel), ctypes.c_void_p).value
+    args = [
+        _attention_args(
+            t["q"], t["k_cache"], t["v_cache"], t["block_table"], t["query_start_loc"],
+            t["seq_lens"], t["req_indices"], t["scale"], t["out"], 1.0, 1.0,
+        )
+        for t in layers
+    ]  # fmt: skip
+
+    def run() -> None:
+        for a, _ in zip(args, layers, strict=True):  # the tensors `args` points to stay alive
+            lib.kvrail_run(fn, ctypes.byref(a), threads)
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from engine import resolve_model  # first: it asks torch for 2 MiB pages, as the engine does
+
+    # isort: split
     import torch
     from transformers import AutoConfig
 
-    from engine import resolve_model
-    from engine.kernels.cpu_attention import paged_decode_attention, paged_prefill_attention
+    from engine.kernels.cpu_runtime import library
     from engine.model_runner import resolve_dtype
 
     config = AutoConfig.from_pretrained(resolve_model(args.model))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads = (config.num_attention_heads, config.num_key_value_heads, head_dim)
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    threads = torch.get_num_threads()
     torch.manual_seed(0)
     n, batch = args.context_len, args.batch_size
-    shapes = [(f"prompts 4 x {p}", "prompt", [p] * 4, [p] * 4, False) for p in args.prompt_lens]
+    shapes = [(f"prompts 4 x {p}", "prompt", [p] * 4, [p] * 4, False, 1) for p in args.prompt_lens]
     for fp8, cache in ((False, ""), (True, ", fp8 cache")):
-        shapes.append((f"decode, {n} cached{cache}", "decode", [1], [n], fp8))
-        shapes.append((f"decode {batch} x {n} cached (DRAM){cache}", "decode", [1] * batch,
-                       [n] * batch, fp8))  # fmt: skip
+        shapes.append((f"decode, {n} cached{cache}", "decode", [1], [n], fp8, 1))
+        shapes.append((f"decode {batch} x {n} cached, {args.layers} layers (DRAM){cache}",
+                       "decode", [1] * batch, [n] * batch, fp8, args.layers))  # fmt: skip
     shapes += [
-        (f"verify {q} queries, {n} cached", kernel, [q], [n], False)
+        (f"verify {q} queries, {n} cached", kernel, [q], [n], False, 1)
         for q in args.verify_queries
         for kernel in ("decode", "prompt")
     ]
-    kernels = {"prompt": paged_prefill_attention, "decode": paged_decode_attention}
-    cases = [
-        (label, kernels[kernel], make_case(torch, heads, dtype, args.block_size, q, s, fp8),
-         attended_flop(heads, q, s))
-        for label, kernel, q, s, fp8 in shapes
-    ]  # fmt: skip
+    names = {"prompt": "kvrail_prefill_attention", "decode": "kvrail_decode_attention"}
+    libraries = {"kvrail": library()}
+    if args.baseline_ref is not None:
+        libraries[f"baseline {args.baseline_ref}"] = baseline_library(args.baseline_ref)
+    cases = []  # (label, kernel, library, run over its layers, layers, flop and bytes a layer)
+    for label, kernel, q_lens, seq_lens, fp8, num_layers in shapes:
+        layers = [
+            make_case(torch, heads, dtype, args.block_size, q_lens, seq_lens, fp8)
+            for _ in range(num_layers)
+        ]
+        flop = attended_flop(heads, q_lens, seq_lens)
+        for lib_name, lib in libraries.items():
+            run = paged_runner(lib, names[kernel], layers, threads)
+            cases.append(
+                (label, names[kernel], lib_name, run, num_layers, flop, kv_bytes(layers[0]))
+            )
     # torch's SDPA on the same prompts, dense and contiguous (what a fresh prompt's own q, k
     # and v could go through without the paged cache): a yardstick for the prompt kernel.
     for n in args.prompt_lens:
@@ -140,37 +213,52 @@ def main(argv: list[str] | None = None) -> int:
             for name, h in (("query", heads[0]), ("key", heads[1]), ("value", heads[1]))
         }
         flop = attended_flop(heads, [n] * 4, [n] * 4)
-        cases.append((f"prompts 4 x {n}", dense_sdpa, dense, flop))
-    times: dict[tuple[str, str], list[float]] = {(c[0], c[1].__name__): [] for c in cases}
-    for _, kernel, tensors, _ in cases:  # warm-up
-        kernel(**tensors)
+        cases.append((f"prompts 4 x {n}", "dense_sdpa", "torch", lambda d=dense: dense_sdpa(**d),
+                      1, flop, 0))  # fmt: skip
+    times: dict[int, list[float]] = {i: [] for i in range(len(cases))}
+    for case in cases:  # warm-up
+        case[3]()
     for _ in range(args.rounds):
-        for label, kernel, tensors, _ in cases:
-            kernel(**tensors)  # this case's tensors back in cache after the others'
+        for i, (_, _, _, run, num_layers, _, _) in enumerate(cases):
+            run()  # this case's tensors back in cache after the others'
             start = time.perf_counter()
             for _ in range(args.repeats):
-                kernel(**tensors)
-            times[label, kernel.__name__].append((time.perf_counter() - start) / args.repeats)
+                run()
+            times[i].append((time.perf_counter() - start) / args.repeats / num_layers)
     results = []
-    for label, kernel, _, flop in cases:
-        seconds = statistics.median(times[label, kernel.__name__])
+    for i, (label, kernel, lib_name, _, num_layers, flop, nbytes) in enumerate(cases):
+        seconds = statistics.median(times[i])
+        gbps = nbytes / seconds / 1e9 if num_layers > 1 else None
         results.append(
-            dict(case=label, kernel=kernel.__name__, us=1e6 * seconds, gflops=flop / seconds / 1e9)
-        )
-    rows = [[r["case"], r["kernel"], fmt(r["us"], 1), fmt(r["gflops"], 1)] for r in results]
+            dict(case=label, kernel=kernel, library=lib_name, us=1e6 * seconds,
+                 gflops=flop / seconds / 1e9, gbps=gbps)
+        )  # fmt: skip
+    base = {(r["case"], r["kernel"]): r["us"] for r in results if r["library"].startswith("base")}
+    rows = [
+        [r["case"], r["kernel"], r["library"], fmt(r["us"], 1), fmt(r["gflops"], 1),
+         fmt(r["gbps"], 1) if r["gbps"] else "-",
+         f"{r['us'] / base[r['case'], r['kernel']]:.2f}"
+         if r["library"] == "kvrail" and (r["case"], r["kernel"]) in base else "-"]
+        for r in results
+    ]  # fmt: skip
     markdown = "\n\n".join(
         [
             "# Attention kernels on the CPU, one layer",
             f"{heads[0]} query and {heads[1]} kv heads of {heads[2]}, {dtype} queries and "
-            f"cache, blocks of {args.block_size} in random order, {torch.get_num_threads()} "
+            f"cache, blocks of {args.block_size} in random order, {threads} "
             f"threads, {platform.machine()}; medians of {args.rounds} rounds of "
             f"{args.repeats} calls in a row (cache-resident but for the batch of "
-            f"{batch}), the cases taking turns. "
-            "GFLOP/s: QK^T and PV over the keys each query attends to.",
-            markdown_table(["case", "kernel", "us", "GFLOP/s"], rows),
+            f"{batch} over {args.layers} layers), the cases taking turns. "
+            "GFLOP/s: QK^T and PV over the keys each query attends to; GB/s: K and V read "
+            "from DRAM; time / baseline: this checkout's kernel over the baseline ref's, "
+            "the two in turn in one process.",
+            markdown_table(
+                ["case", "kernel", "library", "us", "GFLOP/s", "GB/s", "time / baseline"], rows
+            ),
         ]
     )
-    write_results(args.name, dict(args=vars(args), dtype=str(dtype), results=results), markdown)
+    payload = dict(args=vars(args), dtype=str(dtype), results=results)
+    write_results(args.name, payload, markdown)
     return 0
 
 

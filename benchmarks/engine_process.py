@@ -17,17 +17,41 @@ PYTHONPATH) under this checkout's benchmark code.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def worktree(ref: str | None) -> Iterator[Path]:
+    """This checkout (ref None), or `ref` in a detached worktree for as long as it is used."""
+    if ref is None:
+        yield ROOT
+        return
+    path = Path(tempfile.mkdtemp(prefix="kvrail-baseline-"))
+    subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), ref],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield path
+    finally:
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
+            check=False,
+            capture_output=True,
+        )
 
 
 def rotated(names: Sequence[str], round_index: int) -> list[str]:

@@ -36,9 +36,7 @@ import os
 import shutil
 import statistics
 import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,29 +120,6 @@ def describe(llm: Any) -> dict[str, Any]:
 
 def time_request(llm: Any, prompt: list[int], output_len: int) -> dict[str, float]:
     return time_kvrail(llm.llm_engine, prompt, output_len)
-
-
-@contextlib.contextmanager
-def worktree(ref: str | None) -> Iterator[Path]:
-    """This checkout (ref None), or `ref` in a detached worktree for as long as it is used."""
-    root = Path(__file__).resolve().parent.parent
-    if ref is None:
-        yield root
-        return
-    path = Path(tempfile.mkdtemp(prefix="kvrail-baseline-"))
-    subprocess.run(
-        ["git", "-C", str(root), "worktree", "add", "--detach", str(path), ref],
-        check=True,
-        capture_output=True,
-    )
-    try:
-        yield path
-    finally:
-        subprocess.run(
-            ["git", "-C", str(root), "worktree", "remove", "--force", str(path)],
-            check=False,
-            capture_output=True,
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from benchmarks.common import corpus_token_ids, make_workload, write_results
-    from benchmarks.engine_process import EngineProcess, rotated
+    from benchmarks.engine_process import EngineProcess, rotated, worktree
     from engine.loader import load_tokenizer, resolve_model
 
     model_dir = resolve_model(args.model)

@@ -8,14 +8,17 @@ process of its own started afresh, in an order that rotates over `--rounds`
 (`engine_process`: of two engines, the one started first ran slower all along); the slow
 peers run a seeded subset of the same requests and are compared per output token. The
 machine's matmul rate on the model's shapes, measured in the same run, gives the compute
-limit in tokens/s.
+limit in tokens/s. `--baseline-ref REF` adds the before of a before/after: its
+`--baseline-configs` run on REF's engine (a worktree) in the same rotation.
 
     python -m benchmarks.throughput --num-requests 128 --input-len 64:512 --output-len 64:256
+    python -m benchmarks.throughput --configs int8 --peers none --baseline-ref HEAD~1 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -77,15 +80,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--hf-batch-size", type=int, default=16)
     add("--hf-dtype", default="auto", help="auto = each HF peer at its faster of fp32/bf16")
     add("--matmul-tokens", type=int, default=256, help="rows of the compute-limit matmuls")
+    add("--baseline-ref", default=None, help="git ref whose engine runs --baseline-configs too")
+    add("--baseline-configs", default="int8", help="configurations run at --baseline-ref")
     add("--name", default="throughput", help="results/<name>.json and .md")
     args = parser.parse_args(argv)
     args.peers = [] if args.peers == "none" else args.peers.split(",")
     args.configs = [c for c in args.configs.split(",") if c and c != "none"]
+    args.baseline_configs = [c for c in args.baseline_configs.split(",") if c]
     unknown = set(args.peers) - set(PEERS)
     if unknown:
         parser.error(f"unknown peers {sorted(unknown)}; choose from {PEERS}")
     if set(args.configs) - set(ENGINE_CONFIGS) - {"default"} or "default" in args.configs:
         parser.error(f"configs: any of {tuple(ENGINE_CONFIGS)[1:]} (the default always runs)")
+    if set(args.baseline_configs) - set(ENGINE_CONFIGS):
+        parser.error(f"baseline configs: any of {tuple(ENGINE_CONFIGS)}")
     return args
 
 
@@ -121,40 +129,53 @@ def run_workload(llm: Any, prompts: list[list[int]], output_lens: list[int]) -> 
 
 
 def run_kvrails(args: argparse.Namespace, workload: list[BenchRequest]) -> dict[str, Any]:
-    """Each configuration's median time over `--rounds`, every run in a fresh process."""
-    from benchmarks.engine_process import EngineProcess, rotated
+    """Each configuration's median time over `--rounds`, every run in a fresh process; with
+    `--baseline-ref`, its `--baseline-configs` run in the same rotation (systems `baseline`,
+    `baseline-<config>`), on that ref's engine."""
+    from benchmarks.engine_process import EngineProcess, rotated, worktree
 
-    configs = ["default", *args.configs]
-    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
+    systems = {  # name: (configuration, git ref or None for this checkout)
+        "kvrail" if c == "default" else f"kvrail-{c}": (c, None) for c in ["default", *args.configs]
+    }
+    if args.baseline_ref is not None:
+        systems |= {
+            "baseline" if c == "default" else f"baseline-{c}": (c, args.baseline_ref)
+            for c in args.baseline_configs
+        }
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
     dtypes = {}
     prompts = [r.prompt_token_ids for r in workload]
     output_lens = [r.output_len for r in workload]
-    for r in range(args.rounds):
-        for config in rotated(configs, r):
-            options = {
-                "model": args.model,
-                "dtype": args.dtype,
-                **ENGINE_CONFIGS[config],
-                "max_num_seqs": args.max_num_seqs,
-                "max_num_batched_tokens": args.max_num_batched_tokens,
-                "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-            }
-            with EngineProcess(__file__, options, "describe") as child:
-                dtypes[config] = child.ready
-                runs[config].append(child.call("run_workload", prompts, output_lens))
+    with contextlib.ExitStack() as stack:
+        trees = {ref: stack.enter_context(worktree(ref)) for _, ref in systems.values()}
+        for r in range(args.rounds):
+            for name in rotated(list(systems), r):
+                config, ref = systems[name]
+                options = {
+                    "model": args.model,
+                    "dtype": args.dtype,
+                    **ENGINE_CONFIGS[config],
+                    "max_num_seqs": args.max_num_seqs,
+                    "max_num_batched_tokens": args.max_num_batched_tokens,
+                    "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+                }
+                with EngineProcess(__file__, options, "describe", trees[ref]) as child:
+                    dtypes[name] = child.ready
+                    runs[name].append(child.call("run_workload", prompts, output_lens))
     results = {}
-    for config in configs:
+    for name, (config, ref) in systems.items():
         options = ENGINE_CONFIGS[config]
-        dtype = dtypes[config]
-        seconds = [run["seconds"] for run in runs[config]]
-        results["kvrail" if config == "default" else f"kvrail-{config}"] = {
+        dtype = dtypes[name]
+        seconds = [run["seconds"] for run in runs[name]]
+        results[name] = {
             **rates(workload, statistics.median(seconds)),
             "seconds_by_round": seconds,
             "dtype": ", ".join(
                 [f"{options['quantization']} ({dtype})" if "quantization" in options else dtype]
                 + (["fp8 kv"] if options.get("kv_cache_dtype") == "fp8" else [])
+                + ([f"at {ref}"] if ref else [])
             ),
-            "num_preemptions": max(run["num_preemptions"] for run in runs[config]),
+            "num_preemptions": max(run["num_preemptions"] for run in runs[name]),
         }
     return results
 

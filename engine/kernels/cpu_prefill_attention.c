@@ -196,8 +196,8 @@ DEFINE_HEAD_DIM_INSTANCES(DEFINE_PREFILL, prefill_bf16_fp8, uint16_t, load_bf16,
  * (the item's tokens), not 16 keys. Then nothing is reduced across lanes: a key's scores are
  * 32 (head_dim 64) vdpbf16ps of the query pairs, transposed once per item, by that key's
  * (k[2i], k[2i+1]) broadcast straight from the cache; the running maxima and sums, the
- * rescaling and the softmax weights are vectors of 16 rows (exp16 below, no libm call per
- * row); P . V takes the rows' weights of two keys interleaved (rounded to bf16, as flash
+ * rescaling and the softmax weights are vectors of 16 rows (exp16 of cpu_common.h, no libm
+ * call per row); P . V takes the rows' weights of two keys interleaved (rounded to bf16, as flash
  * attention's P is) by (v_t[d], v_t+1[d]) broadcast, 16 outputs of head_dim at a time in
  * registers. Products and sums are fp32. Measured on the project's 2-vCPU AVX512-BF16 EPYC
  * against the fp32 tiles above (`python -m benchmarks.attention_kernels`, the two builds in
@@ -208,20 +208,6 @@ DEFINE_HEAD_DIM_INSTANCES(DEFINE_PREFILL, prefill_bf16_fp8, uint16_t, load_bf16,
 typedef uint32_t u32_alias __attribute__((may_alias)); /* a bf16 pair, read in place */
 #define ROWS 16 /* query tokens of an item: the lanes of a vector */
 #define KEYS 16 /* keys of a tile */
-
-/* exp(x), 16 at a time: 2^n 2^f with f in [-1/2, 1/2] (Taylor to degree 6 of e^(f ln 2), relative
- * error under 2e-7) scaled by vscalefps; x below -87 gives about 0 (not NaN: x may be -inf). */
-static inline __m512 exp16(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
-                                   _mm512_set1_ps(1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    static const float c[] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f,
-                              2.4022651e-1f, 6.9314718e-1f, 1.0f};
-    __m512 p = _mm512_set1_ps(c[0]);
-    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* Lane i: bf16(lo[i]) | bf16(hi[i]) << 16, rounded to nearest even (vcvtneps2bf16). */
 static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
