@@ -5,7 +5,10 @@ C float kernel (and can then be recorded into a CPU graph); larger ones run torc
 (oneDNN). `quantization="int8"` runs the C W8A8 kernel at every size. This times one forward
 pass's worth of the model's linear layers (the engine's fused shapes: qkv, o, gate_up, down
 per layer, then the LM head) each way at each `--num-tokens`, alternating the systems within
-each round, and reports the medians and their ratios to torch's matmul.
+each round, and reports the medians and their ratios to torch's matmul. `torch _int_mm` is a
+yardstick for the C int8 kernel: oneDNN's int8 x int8 -> int32 product alone, on activations
+quantized beforehand and with no scales applied to its sums (the C kernel's time includes
+both).
 
     python -m benchmarks.linear_kernels --num-tokens 1,2,4,8,16,32,64,256
 """
@@ -20,7 +23,7 @@ from typing import Any
 
 from benchmarks.common import fmt, markdown_table, write_results
 
-SYSTEMS = ("torch matmul", "C float", "C int8")
+SYSTEMS = ("torch matmul", "C float", "C int8", "torch _int_mm")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,19 +80,24 @@ def main(argv: list[str] | None = None) -> int:
     config = AutoConfig.from_pretrained(resolve_model(args.model))
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     float_kernel = lambda x, w: linear_float(x, w, None)  # noqa: E731
-    runs = dict(zip(SYSTEMS, (F.linear, float_kernel, linear_w8a8), strict=True))
+    int_mm = lambda x, w: torch._int_mm(w[0], w[1])  # noqa: E731  (x: only its shape counts)
+    runs = dict(zip(SYSTEMS, (F.linear, float_kernel, linear_w8a8, int_mm), strict=True))
     weights = []
     for n_in, n_out, count in engine_shapes(config):
         w = torch.randn(n_out, n_in, dtype=dtype) * n_in**-0.5
-        packed = pack_int8(*quantize_rows_int8(w), None, False)
-        weights.append((dict(zip(SYSTEMS, (w, w, packed), strict=True)), count))
+        w_q, w_scale = quantize_rows_int8(w)
+        packed = pack_int8(w_q, w_scale, None, False)
+        weights.append(
+            (dict(zip(SYSTEMS, (w, w, packed, w_q.t().contiguous()), strict=True)), count)
+        )
     results = []
     with torch.inference_mode():
         for num_tokens in args.num_tokens:
-            work = [
-                (torch.randn(num_tokens, ws["C float"].shape[1], dtype=dtype), ws, count)
-                for ws, count in weights
-            ]
+            work = []
+            for ws, count in weights:
+                x = torch.randn(num_tokens, ws["C float"].shape[1], dtype=dtype)
+                x_q = torch.randint(-127, 128, x.shape, dtype=torch.int8)
+                work.append((x, {**ws, "torch _int_mm": (x_q, ws["torch _int_mm"])}, count))
             times: dict[str, list[float]] = {name: [] for name in SYSTEMS}
             for name in SYSTEMS:  # warm-up: first calls pick kernels
                 time_pass(runs[name], work, name)
@@ -108,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     num_matmuls = sum(count for *_, count in engine_shapes(config))
     markdown = "\n\n".join(
         [
-            "# Linear layers on the CPU: torch matmul, C float, C int8 (W8A8)",
+            "# Linear layers on the CPU: torch matmul, C float, C int8 (W8A8), torch _int_mm",
             f"One forward pass's linear layers ({num_matmuls} matmuls, the engine's fused "
             f"shapes), activations in {dtype}, {torch.get_num_threads()} threads, "
             f"{platform.machine()}; medians of {args.rounds} rounds, the systems alternating.",
