@@ -448,15 +448,17 @@ DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_bf16_fp8, uint16_t, load_bf16,
  * the next item's first two tiles during this item's pass 2.
  * Against the kernel before (a reduction tree across lanes per query head, K into L1), on
  * the project's 2-vCPU AVX512-BF16 EPYC, both libraries in turn in one process
- * (`python -m benchmarks.attention_kernels --baseline-ref REF --prompt-lens 64,128,512
- * --rounds 9`, results/attention_kernels-avx512.md): 128 decodes over 400 tokens, 8 layers from
- * DRAM, 3.38 -> 2.70 ms a layer (fp8 cache 2.76 -> 2.24), one decode 22.3 -> 18.5 us (fp8
- * 26.5 -> 20.7), verify steps of 5 (8) queries 65.5 -> 57.0 (87.8 -> 75.0) us; the full
- * throughput workload in int8, fresh processes in turn, 41.1 -> 37.0 s
- * (results/throughput-full-avx512.md). By hand, same machine and method, 128 x 400: K into
- * L1 (prefetcht0) rather than L2 made this kernel about 1.9x slower from DRAM; without the
- * next item's prefetch, 2-8% slower. */
+ * (`python -m benchmarks.attention_kernels --baseline-ref 6ead788 --prompt-lens 64,128,512
+ * --rounds 9`, results/attention_kernels-avx512.md): 128 decodes over 400 tokens, 8 layers
+ * from DRAM, 2.52 -> 1.43 ms a layer (15.6 -> 27.6 GB/s, about what the machine reads; fp8
+ * cache 2.23 -> 1.33), one decode 15.1 -> 12.0 us (fp8 18.0 -> 15.2), verify steps of 5 (8)
+ * queries 48.0 -> 36.5 (74.5 -> 47.6) us. By hand, same machine, 30 layers of 128 x 330 from
+ * DRAM, one process: K into L1 (prefetcht0) rather than L2 made this kernel 1.8-1.9x slower;
+ * prefetching 8 tiles ahead instead of 2, 41.0 against 34.4 ms (the first commit of this
+ * kernel did that by mistake); without the next item's tiles (with that 8-tile distance), 2-8%
+ * slower. */
 #define HEADS_PER_TILE 4 /* query heads whose 4 row-group sums stay in registers in pass 1 */
+#define AHEAD 32 /* tokens between the rows pass 1 reads and those it prefetches: two tiles */
 
 /* Lane 4l + m of q_columns(q, j): the bf16 pair 4l + j of q's 16 (`q` holds 32 elements).
  * It meets lane 4l + m of tile_columns' r[4k + j]: pair 4l + j of row 4k + m. */
@@ -535,7 +537,8 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
             int64_t slot[16], ahead[16]; /* element offsets of its rows and the rows 2 ahead */    \
             for (int i = 0; i < 16; i++) {                                                         \
                 slot[i] = row_offset(blocks, shift, t0 + (i < n ? i : n - 1)) * stride_slot;       \
-                ahead[i] = t0 + 128 + i < seq_len ? row_offset(blocks, shift, t0 + 128 + i) : -1;  \
+                const int t = t0 + AHEAD + i;                                                      \
+                ahead[i] = t < seq_len ? row_offset(blocks, shift, t) : -1;                        \
             }                                                                                      \
             for (int g = g0; g < g1; g++)                                                          \
                 for (int h0 = g * group; h0 < (g + 1) * group; h0 += HEADS_PER_TILE) {             \
@@ -608,8 +611,8 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         /* a batch of sequences 4x as long but as many tokens in all took 20% less time). */       \
         struct decode_item next = it;                                                              \
         const int next_rows = !next_item(a, tid, num_threads, heads, &next) ? 0                    \
-                              : next.seq_len < 32                           ? next.seq_len         \
-                                                                            : 32;                  \
+                              : next.seq_len < AHEAD                        ? next.seq_len         \
+                                                                            : AHEAD;               \
         const int32_t *next_blocks = a->block_table + next.req * a->stride_bt;                     \
         int next_t = 0;                                                                            \
         /* Pass 2: per kv head, V streams by two tokens at a time while up to HEADS_PER_PASS */    \
