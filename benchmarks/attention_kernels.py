@@ -143,11 +143,11 @@ def paged_runner(lib: Any, kernel: str, layers: list[dict[str, Any]], threads: i
     does (one team per call)."""
     import ctypes
 
-    from engine.kernels.cpu_attention import _attention_args
+    from engine.kernels.cpu_attention import attention_args
 
     fn = ctypes.cast(getattr(lib, kernel), ctypes.c_void_p).value
     args = [
-        _attention_args(
+        attention_args(
             t["q"], t["k_cache"], t["v_cache"], t["block_table"], t["query_start_loc"],
             t["seq_lens"], t["req_indices"], t["scale"], t["out"], 1.0, 1.0,
         )

@@ -104,7 +104,7 @@ class AttentionArgs(ctypes.Structure):  # struct kvrail_attention_args (cpu_comm
     ]
 
 
-def _attention_args(
+def attention_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -181,7 +181,7 @@ def paged_decode_attention(
     `out`, nothing else. Meant for requests of at most MAX_DECODE_QUERY_LEN queries: each
     query reads its context on its own.
     """
-    args = _attention_args(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+    args = attention_args(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
                            req_indices, scale, out, k_scale, v_scale)  # fmt: skip
     launch("kvrail_decode_attention", args, q, k_cache, v_cache, block_table, query_start_loc,
            seq_lens, req_indices, out)  # fmt: skip
@@ -207,7 +207,7 @@ def paged_prefill_attention(
     nothing else."""
     if not supports_head_dim(q.shape[2]):
         raise ValueError(f"the prompt kernel takes head_dim 16, 32, ..., 256, got {q.shape[2]}")
-    args = _attention_args(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+    args = attention_args(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
                            req_indices, scale, out, k_scale, v_scale)  # fmt: skip
     launch("kvrail_prefill_attention", args, q, k_cache, v_cache, block_table,
            query_start_loc, seq_lens, req_indices, out)  # fmt: skip

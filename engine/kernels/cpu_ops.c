@@ -236,13 +236,14 @@ static void write_head(const void *src, int dtype, int64_t src_row, void *cache,
 void kvrail_write_kv(const struct kvrail_write_kv_args *a, int tid, int num_threads) {
     const int64_t slot_size = a->num_kv_heads * a->head_dim;
     const int64_t size = dtype_size(a->dtype), row_bytes = slot_size * size;
-    const int copy = a->cache_dtype == a->dtype && !a->k_shift;
+    const int copy = a->cache_dtype == a->dtype && !a->k_shift && a->stride_kh == a->head_dim
+                     && a->stride_vh == a->head_dim;
     int64_t begin, end;
     thread_range(a->num_tokens, 1, tid, num_threads, &begin, &end);
     for (int64_t t = begin; t < end; t++) {
         const int64_t slot = a->slot_mapping[t];
         if (slot < 0) continue;
-        if (copy && a->stride_kh == a->head_dim && a->stride_vh == a->head_dim) {
+        if (copy) {
             memcpy((char *)a->k_cache + slot * row_bytes,
                    (const char *)a->k + t * a->stride_kt * size, (size_t)row_bytes);
             memcpy((char *)a->v_cache + slot * row_bytes,
