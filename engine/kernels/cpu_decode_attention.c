@@ -98,7 +98,11 @@ static int longest_context(const struct kvrail_attention_args *a) {
  * 69.8 -> 59.0 ms, portable path with a bf16 cache 55.6 -> 37.8 ms. K asked into L2
  * (prefetcht1) rather than L1 (prefetcht0), same machine, 128 decodes over 400 tokens, the two
  * builds in turn in one process: the AVX-512 path with an fp32 cache 29.5 -> 23.6 us a
- * sequence (the AVX512-BF16 path: see there). */
+ * sequence (the AVX512-BF16 path: see there). On the 2-vCPU AVX2 EPYC, the AVX2 path with an
+ * fp32 cache, 128 decodes over 400 tokens of 8 layers from DRAM, the library of ac63107 against
+ * 6ead788's in turn (`benchmarks.attention_kernels --baseline-ref 6ead788`,
+ * `results/attention_kernels-avx2-prefetch.md`): 5.88 -> 4.06 ms a layer (13.4 -> 19.4 GB/s);
+ * cache-resident cases within 0.92-1.09x (noise). */
 /* always_inline: a prefetch has no effect GCC counts, so a call left out of line is deleted
  * as one without side effects (gcc 12: no prefetch survived). Bytes [begin, end) of a K row
  * (none if NULL) and of a V row (none if NULL). */
