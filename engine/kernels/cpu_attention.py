@@ -182,7 +182,7 @@ def paged_decode_attention(
     query reads its context on its own.
     """
     args = attention_args(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-                           req_indices, scale, out, k_scale, v_scale)  # fmt: skip
+                          req_indices, scale, out, k_scale, v_scale)  # fmt: skip
     launch("kvrail_decode_attention", args, q, k_cache, v_cache, block_table, query_start_loc,
            seq_lens, req_indices, out)  # fmt: skip
 
@@ -208,6 +208,6 @@ def paged_prefill_attention(
     if not supports_head_dim(q.shape[2]):
         raise ValueError(f"the prompt kernel takes head_dim 16, 32, ..., 256, got {q.shape[2]}")
     args = attention_args(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-                           req_indices, scale, out, k_scale, v_scale)  # fmt: skip
+                          req_indices, scale, out, k_scale, v_scale)  # fmt: skip
     launch("kvrail_prefill_attention", args, q, k_cache, v_cache, block_table,
            query_start_loc, seq_lens, req_indices, out)  # fmt: skip
