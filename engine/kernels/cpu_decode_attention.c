@@ -463,6 +463,11 @@ DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_bf16_fp8, uint16_t, load_bf16,
  * slower. */
 #define HEADS_PER_TILE 4 /* query heads whose 4 row-group sums stay in registers in pass 1 */
 #define AHEAD 32 /* tokens between the rows pass 1 reads and those it prefetches: two tiles */
+/* Rows of the next item's K that pass 2 asks for when it is another request's: with a bf16
+ * cache, up to 512 tokens (192 KB of SmolLM2's, in a 1 MB L2); an fp8 cache's kernel is bound
+ * by its conversions, and more prefetches than its first two tiles cost it time. The same
+ * request's next query or kv head gets two tiles: its rows are mostly in cache already. */
+#define NEXT_ROWS(C) (sizeof(C) == 2 ? 512 : AHEAD)
 
 /* Lane 4l + m of q_columns(q, j): the bf16 pair 4l + j of q's 16 (`q` holds 32 elements).
  * It meets lane 4l + m of tile_columns' r[4k + j]: pair 4l + j of row 4k + m. */
@@ -610,14 +615,19 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
             }                                                                                      \
             inv[h] = seq_len > 0 ? a->v_scale / _mm512_reduce_add_ps(sum) : 0.0f;                  \
         }                                                                                          \
-        /* This thread's next item: its first two tiles of K are asked for a few rows at each */   \
-        /* of pass 2's blocks (nothing else would ask before its pass 1 reads them: measured, */   \
-        /* a batch of sequences 4x as long but as many tokens in all took 20% less time). */       \
+        /* This thread's next item: its K (NEXT_ROWS) is asked for a few rows at each of pass */  \
+        /* 2's blocks. Pass 1 asks DRAM for this item's V, pass 2 (which reads V from L2) for */   \
+        /* the next one's K, so both passes keep misses in flight; with the next item's first */   \
+        /* two tiles alone, pass 2 left DRAM idle (measured: see NEXT_ROWS). */                    \
         struct decode_item next = it;                                                              \
-        const int next_rows = !next_item(a, tid, num_threads, heads, &next) ? 0                    \
-                              : next.seq_len < AHEAD                        ? next.seq_len         \
-                                                                            : AHEAD;               \
+        const int next_max = next_item(a, tid, num_threads, heads, &next) == 0 ? 0                 \
+                             : next.req == it.req ? AHEAD : NEXT_ROWS(C);                          \
+        const int next_rows = next.seq_len < next_max ? next.seq_len : next_max;                   \
         const int32_t *next_blocks = a->block_table + next.req * a->stride_bt;                     \
+        const int pass2_blocks = (g1 - g0) * ((group + HEADS_PER_PASS - 1) / HEADS_PER_PASS)       \
+                                 * ((seq_len + block_size - 1) / block_size);                      \
+        const int next_per_block =                                                                 \
+            next_rows <= AHEAD ? 2 : (next_rows + pass2_blocks - 1) / pass2_blocks;                \
         int next_t = 0;                                                                            \
         /* Pass 2: per kv head, V streams by two tokens at a time while up to HEADS_PER_PASS */    \
         /* query heads accumulate in registers. Lane j of o[.][2c] holds dimension */              \
@@ -633,7 +643,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                 for (int t0 = 0; t0 < seq_len; t0 += block_size) {                                 \
                     const C *v = v_cache + row_offset(blocks, shift, t0) * stride_slot + g * hd;   \
                     const int n = seq_len - t0 < block_size ? seq_len - t0 : block_size;           \
-                    for (int r = 0; r < 2 && next_t < next_rows; r++, next_t++) {                  \
+                    for (int r = 0; r < next_per_block && next_t < next_rows; r++, next_t++) {     \
                         const int64_t at = row_offset(next_blocks, shift, next_t) * stride_slot;   \
                         prefetch_row_bytes((const char *)(k_cache + at), NULL,                     \
                                            next.g_begin * head_bytes, next.g_end * head_bytes);    \
