@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--block-size", type=int, default=16)
     add("--rounds", type=int, default=10)
     add("--repeats", type=int, default=10, help="calls of a case in a row, each round")
+    add("--engine-batch", type=int, default=0,
+        help="also replay one decode step of an int8 engine serving this many requests of the "
+             "full workload, over its own cache (0: off)")  # fmt: skip
     add("--baseline-ref", default=None, help="git ref whose kernel library is timed too")
     add("--name", default="attention_kernels")
     args = parser.parse_args(argv)
@@ -138,6 +141,48 @@ def baseline_library(ref: str) -> Any:
     return lib
 
 
+def engine_step_layers(model: str | None, num_requests: int) -> list[dict[str, Any]]:
+    """The decode kernel's calls, one a layer, of one step of an engine (int8 weights, eager)
+    serving `num_requests` requests of the full workload admitted at once, 40 steps in (the
+    prompts done): its own cache (the tensors outlive the engine), block tables and context
+    lengths."""
+    from benchmarks.common import corpus_token_ids, greedy_params, make_workload
+    from engine import LLM
+    from engine.kernels import cpu_attention
+
+    llm = LLM(model=model, quantization="int8", enforce_eager=True)
+    workload = make_workload(
+        corpus_token_ids(llm.get_tokenizer()), num_requests, (64, 512), (64, 256), seed=0
+    )
+    engine = llm.llm_engine
+    for r in workload:
+        engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids},
+                           greedy_params(r.output_len))  # fmt: skip
+    for _ in range(40):
+        engine.step()
+    layers = []
+    kernel = cpu_attention.paged_decode_attention
+
+    def record(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, req_indices,
+               scale, out, k_scale, v_scale):  # fmt: skip
+        if (k_scale, v_scale) != (1.0, 1.0) or req_indices.numel() != num_requests:
+            raise RuntimeError("expected a step of plain decodes over an unscaled cache")
+        layers.append(dict(
+            q=q.clone(), k_cache=k_cache, v_cache=v_cache, block_table=block_table.clone(),
+            query_start_loc=query_start_loc.clone(), seq_lens=seq_lens.clone(),
+            req_indices=req_indices.clone(), scale=scale, out=out.clone(),
+        ))  # fmt: skip
+        return kernel(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, req_indices,
+                      scale, out, k_scale, v_scale)  # fmt: skip
+
+    cpu_attention.paged_decode_attention = record
+    try:
+        engine.step()
+    finally:
+        cpu_attention.paged_decode_attention = kernel
+    return layers
+
+
 def paged_runner(lib: Any, kernel: str, layers: list[dict[str, Any]], threads: int) -> Any:
     """Run `kernel` of library `lib` once on each layer's tensors, as `cpu_runtime.launch`
     does (one team per call)."""
@@ -205,6 +250,16 @@ def main(argv: list[str] | None = None) -> int:
             cases.append(
                 (label, names[kernel], lib_name, run, num_layers, flop, kv_bytes(layers[0]))
             )
+    if args.engine_batch:
+        layers = engine_step_layers(args.model, args.engine_batch)
+        seq_lens = layers[0]["seq_lens"].tolist()
+        label = (f"decode, an int8 engine's step: {len(seq_lens)} x "
+                 f"{sum(seq_lens) // len(seq_lens)} cached, {len(layers)} layers")  # fmt: skip
+        flop = attended_flop(heads, [1] * len(seq_lens), seq_lens)
+        for lib_name, lib in libraries.items():
+            run = paged_runner(lib, names["decode"], layers, threads)
+            cases.append((label, names["decode"], lib_name, run, len(layers), flop,
+                          kv_bytes(layers[0])))  # fmt: skip
     # torch's SDPA on the same prompts, dense and contiguous (what a fresh prompt's own q, k
     # and v could go through without the paged cache): a yardstick for the prompt kernel.
     for n in args.prompt_lens:
@@ -248,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             f"cache, blocks of {args.block_size} in random order, {threads} "
             f"threads, {platform.machine()}; medians of {args.rounds} rounds of "
             f"{args.repeats} calls in a row (cache-resident but for the batch of "
-            f"{batch} over {args.layers} layers), the cases taking turns. "
+            f"{batch} over {args.layers} layers and an engine's step, which reads the "
+            "engine's own cache and blocks), the cases taking turns. "
             "GFLOP/s: QK^T and PV over the keys each query attends to; GB/s: K and V read "
             "from DRAM; time / baseline: this checkout's kernel over the baseline ref's, "
             "the two in turn in one process.",
