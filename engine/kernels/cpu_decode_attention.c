@@ -244,6 +244,7 @@ static inline __m512 vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
 }
 
+#define E4M3_UNIT 1.0f /* vload_e4m3 gives x / E4M3_UNIT */
 static inline __m512 vload_e4m3(const uint8_t *p) { /* load_e4m3, 16 at a time */
     const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
@@ -316,12 +317,19 @@ static inline __m256 vload_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
 }
 
-static inline __m256 vload_e4m3(const uint8_t *p) { /* load_e4m3, 8 at a time */
-    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
-    const __m256i rest = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7f)), 20);
-    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(sign, rest)),
-                         _mm256_set1_ps(0x1p120f));
+/* load_e4m3 / E4M3_UNIT, 8 at a time, through F16C: each byte sign-extended to 16 bits and
+ * shifted left by 7 has its sign at bit 15 and its 7 magnitude bits where a half's exponent
+ * (bias 15, e4m3's is 7) and mantissa go; bit 14, a copy of the sign, cleared, vcvtph2ps widens
+ * it exactly (e4m3 subnormals are half subnormals). 4 instructions where the integer path of
+ * load_e4m3 takes 7; the kernels fold E4M3_UNIT into their query and output scales. Measured on
+ * the 2-vCPU AVX2 EPYC against the integer path, the two libraries in turn in one process, twice
+ * (`benchmarks.attention_kernels --baseline-ref <before>`): 128 decodes over 400 fp8 tokens of 8
+ * layers from DRAM 0.61-0.68x the time (2.5 against 4.2 ms a layer, where an fp32 cache takes
+ * 5.0: the fp8 path now reads at the fp32 one's rate), one decode 0.70-0.81x. */
+#define E4M3_UNIT 0x1p8f
+static inline __m256 vload_e4m3(const uint8_t *p) {
+    const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16((short)0xbf80)));
 }
 
 /* r[i] = the sum of v[i]'s 8 lanes: horizontal adds within 128-bit halves, then the halves. */
@@ -366,7 +374,8 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int group = num_heads / num_kv;                                                          \
     const int64_t stride_slot = (int64_t)num_kv * hd;                                              \
     const int64_t row_bytes = stride_slot * (int64_t)sizeof(C);                                    \
-    const float q_scale = a->scale * a->k_scale;                                                   \
+    const float unit = sizeof(C) == 1 ? E4M3_UNIT : 1.0f; /* fp8: what VLOAD divided by */     \
+    const float q_scale = a->scale * a->k_scale * unit;                                            \
     const int max_seq_len = longest_context(a), heads = heads_per_item(a, num_threads);            \
     /* Per thread: scores [num_heads][padded length], q, each head's CHUNK partial dots and */ \
     /* its outputs. */                                                                             \
@@ -411,7 +420,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         for (int h = g0 * group; h < g1 * group; h++) {                                            \
             float *sh = scores + h * stride_s;                                                     \
             const float sum = softmax_unnormalized(sh, seq_len);                                  \
-            inv[h] = seq_len > 0 ? a->v_scale / sum : 0.0f;                                        \
+            inv[h] = seq_len > 0 ? a->v_scale * unit / sum : 0.0f;                                 \
         }                                                                                          \
         DECODE_PASS2(C, VLOAD, HEAD_DIM)                                                           \
         for (int h = g0 * group; h < g1 * group; h++)                                              \

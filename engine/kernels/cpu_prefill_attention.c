@@ -9,7 +9,9 @@
  * tile's transposed keys (one vector of TILE scores per query row, no horizontal sums), the
  * online softmax, and O += P V. The loops over the keys of a tile and over head_dim are
  * written to vectorize (gcc, -O3 -march=native): AVX-512 or AVX2 alike. With a bf16 query and
- * AVX512-BF16, a transposed variant on bf16 pairs runs instead (DEFINE_PREFILL_DPBF16 below).
+ * AVX512-BF16, a transposed variant on bf16 pairs runs instead (DEFINE_PREFILL_DPBF16 below), and
+ * with an fp32 query and AVX2 (no AVX-512), one in fp32 (DEFINE_PREFILL_AVX2), for head sizes 64
+ * and 128.
  *
  * Sums are kept in several independent registers (4 over head_dim for a score, head_dim /
  * TILE for an output row): one running sum per row waits on each FMA's latency (measured:
@@ -369,6 +371,175 @@ DEFINE_64_AND_128(DEFINE_PREFILL_DPBF16, prefill_dpbf16_bf16, uint16_t, load32_b
 DEFINE_64_AND_128(DEFINE_PREFILL_DPBF16, prefill_dpbf16_fp8, uint8_t, load32_e4m3)
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* With AVX2 and a float32 query, the same flash attention transposed, as the AVX512-BF16
+ * variant above: an item's vectors hold query rows of one head (8 tokens each, two vectors for
+ * its 16 tokens), not keys, so nothing is reduced across lanes. Scores of 4 keys x 16 rows are
+ * 8 independent FMA chains over head_dim (each key's k[d] broadcast from the cache, or from the
+ * tile's fp32 copy of an fp8 cache); the running maxima, sums and softmax weights are vectors
+ * (exp8 of cpu_common.h, no libm call per row); P . V takes 4 dimensions x 16 rows at a time,
+ * again 8 chains, over the tile's keys (v_t[d] broadcast). Each FMA pairs with 3/4 of a load,
+ * where the tiles of 8 keys above broadcast a query element for each one and keep 4 chains.
+ * Measured on the project's 2-vCPU AVX2 EPYC against those tiles, the two libraries in turn in
+ * one process, twice (`python -m benchmarks.attention_kernels --baseline-ref <before>
+ * --prompt-lens 128,512`, `results/attention_kernels-avx2-prefill-transposed.md`): prompts 4 x
+ * 512 0.56-0.57x the time (40 -> 70 GFLOP/s), 4 x 128 0.64-0.69x. An item costs 16 rows
+ * however few queries it has: 5 queries over 400 cached tokens 1.6-1.7x the time, 8 queries
+ * 1.1-1.2x, but the engine sends up to MAX_DECODE_QUERY_LEN (9) queries to the decode kernel. */
+#define ROWS 16 /* query tokens of an item: two vectors of 8 */
+#define KEYS 16 /* keys of a tile */
+
+#define DEFINE_PREFILL_AVX2(NAME, C, LOAD_C, HEAD_DIM)                                            \
+static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {        \
+    const float *q = a->q;                                                                         \
+    const C *k_cache = a->k_cache, *v_cache = a->v_cache;                                          \
+    const int num_heads = (int)a->num_heads, num_kv = (int)a->num_kv_heads;                        \
+    const int hd = HEAD_DIM, group = num_heads / num_kv;                                           \
+    const int64_t stride_slot = (int64_t)num_kv * hd;                                              \
+    const int bs_shift = __builtin_ctz((unsigned)a->block_size), bs_mask = (int)a->block_size - 1; \
+    const float q_scale = a->scale * a->k_scale;                                                   \
+    /* Per thread: the item's queries transposed, qt[head][d][2] (vector h: tokens 8h..8h+7), */ \
+    /* its outputs ot[head][d][2], running maxima and sums m, l[head][2]; the tile's scores */  \
+    /* (then weights) of one head, and with an fp8 cache its keys and values in fp32. */         \
+    __m256 *qt = aligned_alloc(32, sizeof(__m256) * (size_t)(group * hd * 2));                    \
+    __m256 *ot = aligned_alloc(32, sizeof(__m256) * (size_t)(group * hd * 2));                    \
+    __m256 *m = aligned_alloc(32, sizeof(__m256) * (size_t)(group * 2));                           \
+    __m256 *l = aligned_alloc(32, sizeof(__m256) * (size_t)(group * 2));                           \
+    __m256 s[KEYS][2];                                                                             \
+    float kf[KEYS][HEAD_DIM] __attribute__((aligned(32)));                                        \
+    float vf[KEYS][HEAD_DIM] __attribute__((aligned(32)));                                        \
+    static const float zero_row[HEAD_DIM] __attribute__((aligned(32)));                           \
+    for (struct prefill_item it = {0}; next_prefill_item(a, tid, num_threads, ROWS, &it);) {       \
+        const int64_t first = it.first;                                                            \
+        const int start = it.start, g = it.kv_head, i0 = it.q0, nq = it.nq;                        \
+        const int32_t *blocks = a->block_table + it.req * a->stride_bt;                            \
+        /* Lane i of vector h: query token i0 + 8h + i at position start + i0 + 8h + i; lanes */   \
+        /* past nq are padding (position -1: every key masked; their outputs are not stored). */ \
+        __m256i pos[2];                                                                            \
+        for (int h = 0; h < 2; h++) {                                                              \
+            const __m256i lane = _mm256_setr_epi32(8 * h, 8 * h + 1, 8 * h + 2, 8 * h + 3,         \
+                                                   8 * h + 4, 8 * h + 5, 8 * h + 6, 8 * h + 7);    \
+            pos[h] = _mm256_blendv_epi8(_mm256_set1_epi32(-1),                                     \
+                                        _mm256_add_epi32(lane, _mm256_set1_epi32(start + i0)),     \
+                                        _mm256_cmpgt_epi32(_mm256_set1_epi32(nq), lane));          \
+        }                                                                                          \
+        for (int j = 0; j < group; j++) {                                                          \
+            float *qj = (float *)(qt + j * hd * 2);                                                \
+            for (int i = 0; i < ROWS; i++) {                                                       \
+                const float *src = q + (first + i0 + i) * a->stride_q + (g * group + j) * hd;      \
+                for (int d = 0; d < hd; d++)                                                       \
+                    qj[d * ROWS + i] = i < nq ? src[d] * q_scale : 0.0f;                           \
+            }                                                                                      \
+            for (int h = 0; h < 2; h++) {                                                          \
+                m[j * 2 + h] = _mm256_set1_ps(-FLT_MAX);                                           \
+                l[j * 2 + h] = _mm256_setzero_ps();                                                \
+            }                                                                                      \
+            for (int e = 0; e < hd * 2; e++) ot[j * hd * 2 + e] = _mm256_setzero_ps();             \
+        }                                                                                          \
+        const int num_keys = start + i0 + nq; /* the last query's context */                       \
+        for (int t0 = 0; t0 < num_keys; t0 += KEYS) {                                              \
+            const int nk = num_keys - t0 < KEYS ? num_keys - t0 : KEYS;                            \
+            const float *krow[KEYS], *vrow[KEYS];                                                  \
+            for (int t = 0; t < KEYS; t++) {                                                       \
+                if (t >= nk) { /* past the context: zeros, masked below */                         \
+                    krow[t] = vrow[t] = zero_row;                                                  \
+                    continue;                                                                      \
+                }                                                                                  \
+                const int key = t0 + t;                                                            \
+                const int64_t slot = ((int64_t)blocks[key >> bs_shift] << bs_shift)                \
+                                     + (key & bs_mask);                                            \
+                const C *k = k_cache + slot * stride_slot + g * hd;                                \
+                const C *v = v_cache + slot * stride_slot + g * hd;                                \
+                if (sizeof(C) == 4) { /* fp32: read in place */                                    \
+                    krow[t] = (const float *)k;                                                    \
+                    vrow[t] = (const float *)v;                                                    \
+                } else {                                                                           \
+                    for (int d = 0; d < hd; d++) kf[t][d] = LOAD_C(k + d);                         \
+                    for (int d = 0; d < hd; d++) vf[t][d] = LOAD_C(v + d);                         \
+                    krow[t] = kf[t];                                                               \
+                    vrow[t] = vf[t];                                                               \
+                }                                                                                  \
+            }                                                                                      \
+            /* Keys at or past a row's position + 1 are out (and padding rows see none). */        \
+            const int masked = t0 + KEYS > start + i0;                                             \
+            for (int j = 0; j < group; j++) {                                                      \
+                const __m256 *qj = qt + j * hd * 2;                                                \
+                for (int t = 0; t < KEYS; t += 4) {                                                \
+                    __m256 acc[4][2];                                                              \
+                    for (int u = 0; u < 4; u++)                                                    \
+                        acc[u][0] = acc[u][1] = _mm256_setzero_ps();                               \
+                    for (int d = 0; d < hd; d++)                                                   \
+                        for (int u = 0; u < 4; u++) {                                              \
+                            const __m256 kd = _mm256_broadcast_ss(krow[t + u] + d);                \
+                            acc[u][0] = _mm256_fmadd_ps(qj[2 * d], kd, acc[u][0]);                 \
+                            acc[u][1] = _mm256_fmadd_ps(qj[2 * d + 1], kd, acc[u][1]);             \
+                        }                                                                          \
+                    for (int u = 0; u < 4; u++) {                                                  \
+                        s[t + u][0] = acc[u][0];                                                   \
+                        s[t + u][1] = acc[u][1];                                                   \
+                    }                                                                              \
+                }                                                                                  \
+                __m256 alpha[2];                                                                   \
+                for (int h = 0; h < 2; h++) {                                                      \
+                    __m256 tile_max = m[j * 2 + h];                                                \
+                    for (int t = 0; t < KEYS; t++) {                                               \
+                        if (masked)                                                                \
+                            s[t][h] = _mm256_blendv_ps(                                            \
+                                _mm256_set1_ps(-FLT_MAX), s[t][h],                                 \
+                                _mm256_castsi256_ps(_mm256_cmpgt_epi32(                            \
+                                    pos[h], _mm256_set1_epi32(t0 + t - 1))));                      \
+                        tile_max = _mm256_max_ps(tile_max, s[t][h]);                               \
+                    }                                                                              \
+                    alpha[h] = exp8(_mm256_sub_ps(m[j * 2 + h], tile_max));                        \
+                    m[j * 2 + h] = tile_max;                                                       \
+                    __m256 sum = _mm256_setzero_ps();                                              \
+                    for (int t = 0; t < KEYS; t++) {                                               \
+                        s[t][h] = exp8(_mm256_sub_ps(s[t][h], tile_max));                          \
+                        sum = _mm256_add_ps(sum, s[t][h]);                                         \
+                    }                                                                              \
+                    l[j * 2 + h] = _mm256_fmadd_ps(l[j * 2 + h], alpha[h], sum);                   \
+                }                                                                                  \
+                __m256 *oj = ot + j * hd * 2;                                                      \
+                for (int d = 0; d < hd; d += 4) {                                                  \
+                    __m256 acc[4][2];                                                              \
+                    for (int u = 0; u < 4; u++)                                                    \
+                        for (int h = 0; h < 2; h++)                                                \
+                            acc[u][h] = _mm256_mul_ps(oj[2 * (d + u) + h], alpha[h]);              \
+                    for (int t = 0; t < nk; t++)                                                   \
+                        for (int u = 0; u < 4; u++) {                                              \
+                            const __m256 vd = _mm256_broadcast_ss(vrow[t] + d + u);                \
+                            acc[u][0] = _mm256_fmadd_ps(s[t][0], vd, acc[u][0]);                   \
+                            acc[u][1] = _mm256_fmadd_ps(s[t][1], vd, acc[u][1]);                   \
+                        }                                                                          \
+                    for (int u = 0; u < 4; u++)                                                    \
+                        for (int h = 0; h < 2; h++) oj[2 * (d + u) + h] = acc[u][h];               \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        for (int j = 0; j < group; j++) {                                                          \
+            float res[HEAD_DIM][ROWS] __attribute__((aligned(32)));                                \
+            for (int h = 0; h < 2; h++) {                                                          \
+                /* l > 0 for every real row: its own position's key is seen */                     \
+                const __m256 inv = _mm256_div_ps(_mm256_set1_ps(a->v_scale), l[j * 2 + h]);        \
+                for (int d = 0; d < hd; d++)                                                       \
+                    _mm256_store_ps(res[d] + 8 * h, _mm256_mul_ps(ot[(j * hd + d) * 2 + h], inv)); \
+            }                                                                                      \
+            for (int i = 0; i < nq; i++) {                                                         \
+                float *dst = (float *)a->out + ((first + i0 + i) * num_heads + g * group + j) * hd; \
+                for (int d = 0; d < hd; d++) dst[d] = res[d][i];                                   \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    free(qt);                                                                                      \
+    free(ot);                                                                                      \
+    free(m);                                                                                       \
+    free(l);                                                                                       \
+}
+
+DEFINE_64_AND_128(DEFINE_PREFILL_AVX2, prefill_avx2_f32, float, load_f32)
+DEFINE_64_AND_128(DEFINE_PREFILL_AVX2, prefill_avx2_fp8, uint8_t, load_e4m3)
+#endif
+
 /* A cache in float holds q's dtype (the launcher checks). */
 void kvrail_prefill_attention(const struct kvrail_attention_args *a, int tid,
                               int num_threads) {
@@ -376,6 +547,11 @@ void kvrail_prefill_attention(const struct kvrail_attention_args *a, int tid,
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (bf16 && (a->cache_dtype == KVRAIL_FP8_E4M3 ? prefill_dpbf16_fp8(a, tid, num_threads)
                                                    : prefill_dpbf16_bf16(a, tid, num_threads)))
+        return;
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+    if (!bf16 && (a->cache_dtype == KVRAIL_FP8_E4M3 ? prefill_avx2_fp8(a, tid, num_threads)
+                                                    : prefill_avx2_f32(a, tid, num_threads)))
         return;
 #endif
     if (a->cache_dtype == KVRAIL_FP8_E4M3)
