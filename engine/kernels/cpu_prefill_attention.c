@@ -374,12 +374,13 @@ DEFINE_64_AND_128(DEFINE_PREFILL_DPBF16, prefill_dpbf16_fp8, uint8_t, load32_e4m
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* With AVX2 and a float32 query, the same flash attention transposed, as the AVX512-BF16
  * variant above: an item's vectors hold query rows of one head (8 tokens each, two vectors for
- * its 16 tokens), not keys, so nothing is reduced across lanes. Scores of 4 keys x 16 rows are
- * 8 independent FMA chains over head_dim (each key's k[d] broadcast from the cache, or from the
- * tile's fp32 copy of an fp8 cache); the running maxima, sums and softmax weights are vectors
- * (exp8 of cpu_common.h, no libm call per row); P . V takes 4 dimensions x 16 rows at a time,
- * again 8 chains, over the tile's keys (v_t[d] broadcast). Each FMA pairs with 3/4 of a load,
- * where the tiles of 8 keys above broadcast a query element for each one and keep 4 chains.
+ * its 16 tokens), not keys, so nothing is reduced across lanes. Scores of SCORE_KEYS keys x 16
+ * rows are 12 independent FMA chains over head_dim (each key's k[d] broadcast from the cache, or
+ * from the tile's fp32 copy of an fp8 cache); the running maxima, sums and softmax weights are
+ * vectors (exp8 of cpu_common.h, no libm call per row); P . V takes 4 dimensions x 16 rows at a
+ * time, 8 chains, over the tile's keys (v_t[d] broadcast). An FMA pairs with 2/3 (scores) or
+ * 3/4 (P . V) of a load, where the tiles of 8 keys above broadcast a query element for each
+ * one and keep 4 chains.
  * Measured on the project's 2-vCPU AVX2 EPYC against those tiles, the two libraries in turn in
  * one process, twice (`python -m benchmarks.attention_kernels --baseline-ref <before>
  * --prompt-lens 128,512`, `results/attention_kernels-avx2-prefill-transposed.md`): prompts 4 x
@@ -387,10 +388,15 @@ DEFINE_64_AND_128(DEFINE_PREFILL_DPBF16, prefill_dpbf16_fp8, uint8_t, load32_e4m
  * however few queries it has: 5 queries over 400 cached tokens 1.6-1.7x the time, 8 queries
  * 1.1-1.2x, but the engine sends up to MAX_DECODE_QUERY_LEN (9) queries to the decode kernel. */
 #define ROWS 16 /* query tokens of an item: two vectors of 8 */
-#define KEYS 16 /* keys of a tile */
+#define KEYS 24 /* keys of a tile */
+/* Keys scored at a time: 6 x 2 accumulators, 2 query vectors and a broadcast of the 16
+ * registers. Against 4 keys at a time (tiles of 16, or 32), same machine, the two libraries in
+ * turn, 3 runs (`results/attention_kernels-avx2-prefill-6keys.md`): prompts 0.88-0.97x the
+ * time (4 x 512 at 71-94 -> 76-107 GFLOP/s as the host's speed moved). */
+#define SCORE_KEYS 6
 
-#define DEFINE_PREFILL_AVX2(NAME, C, LOAD_C, HEAD_DIM)                                            \
-static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {        \
+#define DEFINE_PREFILL_AVX2(NAME, C, LOAD_C, HEAD_DIM)                                             \
+static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {                \
     const float *q = a->q;                                                                         \
     const C *k_cache = a->k_cache, *v_cache = a->v_cache;                                          \
     const int num_heads = (int)a->num_heads, num_kv = (int)a->num_kv_heads;                        \
@@ -398,23 +404,23 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int64_t stride_slot = (int64_t)num_kv * hd;                                              \
     const int bs_shift = __builtin_ctz((unsigned)a->block_size), bs_mask = (int)a->block_size - 1; \
     const float q_scale = a->scale * a->k_scale;                                                   \
-    /* Per thread: the item's queries transposed, qt[head][d][2] (vector h: tokens 8h..8h+7), */ \
-    /* its outputs ot[head][d][2], running maxima and sums m, l[head][2]; the tile's scores */  \
-    /* (then weights) of one head, and with an fp8 cache its keys and values in fp32. */         \
-    __m256 *qt = aligned_alloc(32, sizeof(__m256) * (size_t)(group * hd * 2));                    \
-    __m256 *ot = aligned_alloc(32, sizeof(__m256) * (size_t)(group * hd * 2));                    \
+    /* Per thread: the item's queries transposed, qt[head][d][2] (vector h: tokens 8h..8h+7), */   \
+    /* its outputs ot[head][d][2], running maxima and sums m, l[head][2]; the tile's scores */     \
+    /* (then weights) of one head, and with an fp8 cache its keys and values in fp32. */           \
+    __m256 *qt = aligned_alloc(32, sizeof(__m256) * (size_t)(group * hd * 2));                     \
+    __m256 *ot = aligned_alloc(32, sizeof(__m256) * (size_t)(group * hd * 2));                     \
     __m256 *m = aligned_alloc(32, sizeof(__m256) * (size_t)(group * 2));                           \
     __m256 *l = aligned_alloc(32, sizeof(__m256) * (size_t)(group * 2));                           \
     __m256 s[KEYS][2];                                                                             \
-    float kf[KEYS][HEAD_DIM] __attribute__((aligned(32)));                                        \
-    float vf[KEYS][HEAD_DIM] __attribute__((aligned(32)));                                        \
-    static const float zero_row[HEAD_DIM] __attribute__((aligned(32)));                           \
+    float kf[KEYS][HEAD_DIM] __attribute__((aligned(32)));                                         \
+    float vf[KEYS][HEAD_DIM] __attribute__((aligned(32)));                                         \
+    static const float zero_row[HEAD_DIM] __attribute__((aligned(32)));                            \
     for (struct prefill_item it = {0}; next_prefill_item(a, tid, num_threads, ROWS, &it);) {       \
         const int64_t first = it.first;                                                            \
         const int start = it.start, g = it.kv_head, i0 = it.q0, nq = it.nq;                        \
         const int32_t *blocks = a->block_table + it.req * a->stride_bt;                            \
         /* Lane i of vector h: query token i0 + 8h + i at position start + i0 + 8h + i; lanes */   \
-        /* past nq are padding (position -1: every key masked; their outputs are not stored). */ \
+        /* past nq are padding (position -1: every key masked; their outputs are not stored). */   \
         __m256i pos[2];                                                                            \
         for (int h = 0; h < 2; h++) {                                                              \
             const __m256i lane = _mm256_setr_epi32(8 * h, 8 * h + 1, 8 * h + 2, 8 * h + 3,         \
@@ -464,17 +470,17 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
             const int masked = t0 + KEYS > start + i0;                                             \
             for (int j = 0; j < group; j++) {                                                      \
                 const __m256 *qj = qt + j * hd * 2;                                                \
-                for (int t = 0; t < KEYS; t += 4) {                                                \
-                    __m256 acc[4][2];                                                              \
-                    for (int u = 0; u < 4; u++)                                                    \
+                for (int t = 0; t < KEYS; t += SCORE_KEYS) {                                       \
+                    __m256 acc[SCORE_KEYS][2];                                                     \
+                    for (int u = 0; u < SCORE_KEYS; u++)                                           \
                         acc[u][0] = acc[u][1] = _mm256_setzero_ps();                               \
                     for (int d = 0; d < hd; d++)                                                   \
-                        for (int u = 0; u < 4; u++) {                                              \
+                        for (int u = 0; u < SCORE_KEYS; u++) {                                     \
                             const __m256 kd = _mm256_broadcast_ss(krow[t + u] + d);                \
                             acc[u][0] = _mm256_fmadd_ps(qj[2 * d], kd, acc[u][0]);                 \
                             acc[u][1] = _mm256_fmadd_ps(qj[2 * d + 1], kd, acc[u][1]);             \
                         }                                                                          \
-                    for (int u = 0; u < 4; u++) {                                                  \
+                    for (int u = 0; u < SCORE_KEYS; u++) {                                         \
                         s[t + u][0] = acc[u][0];                                                   \
                         s[t + u][1] = acc[u][1];                                                   \
                     }                                                                              \
@@ -522,10 +528,12 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                 /* l > 0 for every real row: its own position's key is seen */                     \
                 const __m256 inv = _mm256_div_ps(_mm256_set1_ps(a->v_scale), l[j * 2 + h]);        \
                 for (int d = 0; d < hd; d++)                                                       \
-                    _mm256_store_ps(res[d] + 8 * h, _mm256_mul_ps(ot[(j * hd + d) * 2 + h], inv)); \
+                    _mm256_store_ps(res[d] + 8 * h,                                                \
+                                    _mm256_mul_ps(ot[(j * hd + d) * 2 + h], inv));                 \
             }                                                                                      \
             for (int i = 0; i < nq; i++) {                                                         \
-                float *dst = (float *)a->out + ((first + i0 + i) * num_heads + g * group + j) * hd; \
+                float *dst = (float *)a->out                                                       \
+                             + ((first + i0 + i) * num_heads + g * group + j) * hd;                \
                 for (int d = 0; d < hd; d++) dst[d] = res[d][i];                                   \
             }                                                                                      \
         }                                                                                          \
