@@ -146,14 +146,19 @@ def engine_step_layers(model: str | None, num_requests: int) -> list[dict[str, A
     `num_requests` requests of the full workload admitted at once, 40 steps in (the prompts
     done): its own cache (the tensors outlive the engine), block tables and context lengths.
     Eager: a decode graph's replay launches the kernel without the Python call recorded here."""
-    from benchmarks.common import corpus_token_ids, greedy_params, make_workload
+    from benchmarks.common import (
+        FULL_WORKLOAD_KV_BYTES,
+        corpus_token_ids,
+        greedy_params,
+        make_workload,
+    )
     from engine import LLM
     from engine.kernels import cpu_attention
 
-    # The KV pool of throughput.py: 1 GiB (the default) preempts some of 128 requests by step
-    # 40 in fp32 (the AVX2 default), and a step of fewer decodes is not the workload's.
+    # With fewer blocks some requests are preempted by step 40, and a step of fewer decodes is
+    # not the workload's.
     llm = LLM(model=model, quantization="int8", enforce_eager=True, max_num_seqs=num_requests,
-              kv_cache_memory_bytes=4 << 30)  # fmt: skip
+              kv_cache_memory_bytes=FULL_WORKLOAD_KV_BYTES)  # fmt: skip
     workload = make_workload(
         corpus_token_ids(llm.get_tokenizer()), num_requests, (64, 512), (64, 256), seed=0
     )

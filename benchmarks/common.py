@@ -30,6 +30,10 @@ ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
     "int8-fp8-kv": {"quantization": "int8", "kv_cache_dtype": "fp8"},
 }
 
+# The full workload's KV pool on CPU (`LLM(kv_cache_memory_bytes=...)`): 128 requests of up to
+# 768 tokens fit without preemption in fp32 too (the engine's default, 1 GiB, preempts there).
+FULL_WORKLOAD_KV_BYTES = 4 << 30
+
 # Prompt text: the docstrings of these stdlib modules and their public members. Real English
 # (prefill cost and attention patterns differ from repeated tokens), and it needs no download.
 CORPUS_MODULES = (

@@ -26,6 +26,7 @@ from typing import Any
 
 from benchmarks.common import (
     ENGINE_CONFIGS,
+    FULL_WORKLOAD_KV_BYTES,
     BenchRequest,
     corpus_token_ids,
     fmt,
@@ -73,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--max-num-seqs", type=int, default=128)
     add("--max-num-batched-tokens", type=int, default=2048)
     # 4 GiB holds all 128 requests of the default workload at once in fp32 (46 KB a token).
-    add("--kv-cache-memory-bytes", type=int, default=4 << 30, help="kvrail's KV pool on CPU")
+    add("--kv-cache-memory-bytes", type=int, default=FULL_WORKLOAD_KV_BYTES,
+        help="kvrail's KV pool on CPU")  # fmt: skip
     add("--peers", default=",".join(PEERS), help=f"comma list of {PEERS}, or 'none'")
     add("--serial-requests", type=int, default=8, help="subset size for one-at-a-time peers")
     add("--static-requests", type=int, default=32, help="subset size for HF static batching")

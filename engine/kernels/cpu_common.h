@@ -37,6 +37,12 @@ static inline uint16_t f32_to_bf16(float x) { /* round to nearest even, as torch
     return (uint16_t)(bits >> 16);
 }
 
+/* The slot of token t of a request whose block table is `blocks`, blocks of 2^shift tokens
+ * (block sizes are powers of two: shifts, no division). */
+static inline int64_t row_offset(const int32_t *blocks, int shift, int t) {
+    return ((int64_t)blocks[t >> shift] << shift) + (t & ((1 << shift) - 1));
+}
+
 /* One element of a float32, bfloat16 or fp8 e4m3 array, as the attention kernels read them. */
 static inline float load_f32(const float *p) { return *p; }
 static inline float load_bf16(const uint16_t *p) { return bf16_to_f32(*p); }

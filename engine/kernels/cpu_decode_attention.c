@@ -515,11 +515,6 @@ static inline __m512 tile_scores(const __m512 *s) {
                          _mm512_shuffle_f32x4(s01, s23, 0xdd));
 }
 
-/* The slot of token t of a request (block sizes are powers of two: shifts, no division). */
-static inline int64_t row_offset(const int32_t *blocks, int shift, int t) {
-    return ((int64_t)blocks[t >> shift] << shift) + (t & ((1 << shift) - 1));
-}
-
 /* Lanes [0, n) of 16. */
 static inline __mmask16 lanes_below(int n) {
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);

@@ -87,7 +87,6 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int rows = TILE * group; /* query rows of an item: TILE tokens x the group's heads */    \
     const int64_t stride_slot = (int64_t)num_kv * hd;                                              \
     const int bs_shift = __builtin_ctz((unsigned)a->block_size); /* 8, 16 or 32 */                 \
-    const int bs_mask = (int)a->block_size - 1;                                                    \
     const float q_scale = a->scale * a->k_scale;                                                   \
     float *qf = aligned_alloc(64, sizeof(float) * (size_t)(rows * hd));                            \
     float *o = aligned_alloc(64, sizeof(float) * (size_t)(rows * hd));                             \
@@ -120,8 +119,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                     continue;                                                                      \
                 }                                                                                  \
                 const int t = t0 + j;                                                              \
-                const int64_t slot = ((int64_t)blocks[t >> bs_shift] << bs_shift)                  \
-                                     + (t & bs_mask);                                              \
+                const int64_t slot = row_offset(blocks, bs_shift, t);                              \
                 const C *k = k_cache + slot * stride_slot + g * hd;                                \
                 const C *v = v_cache + slot * stride_slot + g * hd;                                \
                 for (int d = 0; d < hd; d++) kt[d * TILE + j] = LOAD_C(k + d);                     \
@@ -225,7 +223,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int num_heads = (int)a->num_heads, num_kv = (int)a->num_kv_heads;                        \
     const int hd = HEAD_DIM, np = HEAD_DIM / 2, group = num_heads / num_kv;                        \
     const int64_t stride_slot = (int64_t)num_kv * hd;                                              \
-    const int bs_shift = __builtin_ctz((unsigned)a->block_size), bs_mask = (int)a->block_size - 1; \
+    const int bs_shift = __builtin_ctz((unsigned)a->block_size);                                   \
     const __m512 score_scale = _mm512_set1_ps(a->scale * a->k_scale);                              \
     __m512i lut[4];                                                                                \
     e4m3_table(lut);                                                                               \
@@ -278,8 +276,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                     continue;                                                                      \
                 }                                                                                  \
                 const int key = t0 + t;                                                            \
-                const int64_t slot = ((int64_t)blocks[key >> bs_shift] << bs_shift)                \
-                                     + (key & bs_mask);                                            \
+                const int64_t slot = row_offset(blocks, bs_shift, key);                            \
                 const C *k = k_cache + slot * stride_slot + g * hd;                                \
                 const C *v = v_cache + slot * stride_slot + g * hd;                                \
                 if (sizeof(C) == 2) { /* bf16: read in place */                                    \
@@ -402,7 +399,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int num_heads = (int)a->num_heads, num_kv = (int)a->num_kv_heads;                        \
     const int hd = HEAD_DIM, group = num_heads / num_kv;                                           \
     const int64_t stride_slot = (int64_t)num_kv * hd;                                              \
-    const int bs_shift = __builtin_ctz((unsigned)a->block_size), bs_mask = (int)a->block_size - 1; \
+    const int bs_shift = __builtin_ctz((unsigned)a->block_size);                                   \
     const float q_scale = a->scale * a->k_scale;                                                   \
     /* Per thread: the item's queries transposed, qt[head][d][2] (vector h: tokens 8h..8h+7), */   \
     /* its outputs ot[head][d][2], running maxima and sums m, l[head][2]; the tile's scores */     \
@@ -452,8 +449,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                     continue;                                                                      \
                 }                                                                                  \
                 const int key = t0 + t;                                                            \
-                const int64_t slot = ((int64_t)blocks[key >> bs_shift] << bs_shift)                \
-                                     + (key & bs_mask);                                            \
+                const int64_t slot = row_offset(blocks, bs_shift, key);                            \
                 const C *k = k_cache + slot * stride_slot + g * hd;                                \
                 const C *v = v_cache + slot * stride_slot + g * hd;                                \
                 if (sizeof(C) == 4) { /* fp32: read in place */                                    \
