@@ -674,7 +674,7 @@ class ModelRunner:
             entries = out.logprobs.to_entries(num_logprobs)
             return tokens, [[e] if e is not None else [] for e in entries]
         logits = apply_grammar_mask(logits, metadata)  # raw logprobs see it, as `Sampler`'s do
-        processed = self.sampler.process_logits(logits.float(), metadata)
+        processed = self.sampler.process_logits(logits, metadata)
         tokens = rejection_sample(
             drafts,
             target_argmax=argmax_rows(processed).tolist(),

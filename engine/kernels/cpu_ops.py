@@ -1,6 +1,7 @@
 """Launchers of the model's small ops on the CPU (`cpu_ops.c`): same contracts as the Triton
 kernels next to them (`rms_norm.py`, `rotary.py`, `silu_and_mul.py`, `kv_cache_write.py`),
-whose PyTorch references they are tested against, plus the embedding lookup."""
+whose PyTorch references they are tested against, plus the embedding lookup and the argmax
+of logit rows (the sampler's greedy tokens, as torch's `max(dim=-1).indices`)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ RotaryArgs = _struct(
     "dtype num_tokens num_q_heads num_k_heads head_dim stride_qt stride_qh stride_kt stride_kh",
 )
 SiluAndMulArgs = _struct("SiluAndMulArgs", "x out", "dtype num_tokens width stride_x stride_out")
+ArgmaxRowsArgs = _struct("ArgmaxRowsArgs", "x out", "dtype num_rows width stride_x")
 WriteKvArgs = _struct(
     "WriteKvArgs",
     "k v k_cache v_cache slot_mapping k_shift",
@@ -168,6 +170,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             stride_out=out.stride(0),
         )
         launch("kvrail_silu_and_mul", args, x, out, work=x.numel())
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x `[B, V]` float32 or bfloat16 (last dimension contiguous) -> `[B]` int64: each row's
+    first maximum (the first NaN where a row has one), as `x.max(dim=-1).indices`."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError("x must be 2-D with a contiguous last dimension")
+    out = empty((x.shape[0],), torch.int64)
+    if x.shape[0] and x.shape[1]:
+        args = ArgmaxRowsArgs(
+            x=x.data_ptr(),
+            out=out.data_ptr(),
+            dtype=dtype_code(x.dtype),
+            num_rows=x.shape[0],
+            width=x.shape[1],
+            stride_x=x.stride(0),
+        )
+        launch("kvrail_argmax_rows", args, x, out, work=x.numel())
     return out
 
 

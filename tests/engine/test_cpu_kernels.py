@@ -275,6 +275,20 @@ def test_silu_and_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_takes_the_first_nan_as_torch_max_does(dtype):
+    x = torch.randn(6, 130).to(dtype)
+    x[0, 100], x[0, 7] = float("nan"), -float("nan")  # any NaN is the maximum: the first
+    x[1, 129] = float("nan")
+    x[2, 5] = float("inf")
+    rows = x[:, ::2].contiguous()[:, :50]  # rows apart by a stride
+    strided = torch.randn(6, 100).to(dtype)[:, :50]
+    for t in (x, rows, strided):
+        assert torch.equal(cpu_ops.argmax_rows(t), t.max(dim=-1).indices)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        cpu_ops.argmax_rows(x.t())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_embedding(dtype):
     weight = torch.randn(50, 24).to(dtype)
     ids = torch.tensor([3, 0, 49, 3])

@@ -260,12 +260,19 @@ def test_top_p_and_top_k_masks_match_a_reference(scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_rows_is_argmax_on_ties_and_infinities(dtype):
-    """Greedy tokens come from `argmax_rows` (torch's `max`, faster on CPU): it must pick the
-    same index as `argmax` everywhere, the first of tied maxima included."""
+    """Greedy tokens come from `argmax_rows` (a C kernel on the CPU): it must pick the same
+    index as `argmax` everywhere, the first of tied maxima included, in rows of one chunk of
+    the kernel or many."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, 4, (64, 300), generator=gen).to(dtype)  # many ties per row
     x[1] = float("-inf")
     x[2, 10:] = float("-inf")
     x[3] = 0.0
     x[4, 299] = float("inf")
+    x[5] = -1.0
+    x[5, 70], x[5, 200] = -0.0, 0.0  # equal maxima: the first
+    x[6] = torch.randn(300, generator=gen).to(dtype) - 1e4
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    wide = torch.randn(3, 49_152, generator=gen).to(dtype)
+    wide[1, 40_000] = 100.0
+    assert torch.equal(argmax_rows(wide), wide.argmax(dim=-1))
