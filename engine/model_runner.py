@@ -332,7 +332,7 @@ class ModelRunner:
         with set_forward_context(self.attn_backend.build(common)):
             hidden_states = self.model(torch.zeros_like(positions), positions)
         num_rows = min(self.max_num_reqs, num_tokens)
-        self.model.compute_logits(hidden_states[:num_rows]).softmax(-1)
+        self.model.compute_logits(hidden_states[:num_rows]).float().softmax(-1)
         torch.cuda.synchronize(self.device)
         activation_bytes = torch.cuda.max_memory_allocated(self.device)
         del hidden_states

@@ -291,8 +291,8 @@ class Sampler(torch.nn.Module):
 
 
 def apply_grammar_mask(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Float32 logits with the tokens each grammar row forbids at -inf: a copy, or `logits`
-    itself when no row has a grammar."""
+    """A float32 copy of the logits with the tokens each grammar row forbids at -inf, or
+    `logits` itself (in its own dtype) when no row has a grammar."""
     if metadata.grammar_mask is None:
         return logits
     rows, allowed = metadata.grammar_mask

@@ -287,8 +287,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """`[N, hidden]` (the rows to sample from) -> `[N, vocab]` float32 logits."""
-        return self.lm_head(hidden_states).float()
+        """`[N, hidden]` (the rows to sample from) -> `[N, vocab]` logits in the model's dtype:
+        the sampler takes float32 where it computes with them (as vLLM's does), and a greedy
+        argmax needs no copy (128 x 49,152 bf16 logits to float32: 1.1 ms of a CPU decode
+        step)."""
+        return self.lm_head(hidden_states)
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
         attn = self.model.layers[0].self_attn
