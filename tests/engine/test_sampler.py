@@ -74,6 +74,25 @@ def test_sampler_does_not_modify_logits():
     assert torch.equal(logits, before)
 
 
+def test_bf16_logits_sample_as_their_float32_values():
+    """Logits come in the model's dtype; every processor and draw works on float32 copies, so
+    bf16 logits give what their float32 values give, seeded draws and logprobs included."""
+    logits = random_logits(6, seed=5).bfloat16()
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, logit_bias={3: 5.0}),
+        SamplingParams(min_tokens=2, frequency_penalty=1.0, seed=1),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=2),
+        SamplingParams(temperature=1.0, min_p=0.05, seed=3, logprobs=2),
+        SamplingParams(temperature=0.0, presence_penalty=0.5, logprobs=1),
+    ]
+    kwargs = {"outputs": [[1], [2], [3], [4], [], [5, 5]], "seeds": {2: 1, 3: 2, 4: 3}}
+    outs = [Sampler()(x, make_metadata(params, **kwargs)) for x in (logits, logits.float())]
+    assert torch.equal(outs[0].sampled_token_ids, outs[1].sampled_token_ids)
+    assert outs[0].logprobs is not None
+    assert torch.equal(outs[0].logprobs.logprobs, outs[1].logprobs.logprobs)
+
+
 @pytest.mark.parametrize("knob", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])
 def test_extreme_filters_equal_greedy(knob):
     logits = random_logits(64, seed=1)
