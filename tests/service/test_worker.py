@@ -717,4 +717,4 @@ async def test_load_engine_builds_in_a_thread_that_has_ended(model_dir):
     assert engine.engine_core.scheduler.kv_cache_manager.get_num_blocks_in_use() == 0
     with pytest.raises(ValueError, match="unknown engine option"):
         await load_engine(model=model_dir, no_such_option=1)
-    assert set(threading.enumerate()) == before
+    assert not set(threading.enumerate()) - before  # nor one of the failed build
