@@ -337,6 +337,21 @@ static inline void w8a8_epilogue(const int32_t *acc, int mr, int nt, int64_t pan
     }
 }
 #else
+#if defined(__AVX2__) && defined(__FMA__)
+/* silu(gate) * up, 8 at a time, as silu_mul16 does it. An AVX2 build (-march=x86-64-v3) of
+ * this file on the 2-vCPU AVX512-BF16 EPYC: through libmvec's expf, the gate_up shape took
+ * 1.13x the time of the same product without SiLU at M = 2048; this and that build in turn in
+ * one process, gate_up 0.90x the time at M = 2048, 0.94x at M = 128 (fp32 outputs within
+ * 1e-6 of each other). */
+static inline __m256 silu_mul8(__m256 gate, __m256 up) {
+    const __m256 e = exp8(_mm256_or_ps(gate, _mm256_set1_ps(-0.0f))); /* exp(-|g|) <= 1 */
+    const __m256 s = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+    const __m256 negative = _mm256_cmp_ps(gate, _mm256_setzero_ps(), _CMP_LT_OQ);
+    return _mm256_mul_ps(_mm256_mul_ps(gate, _mm256_blendv_ps(s, _mm256_mul_ps(s, e), negative)),
+                         up);
+}
+#endif
+
 static inline void w8a8_epilogue(const int32_t *acc, int mr, int nt, int64_t panel, int64_t N,
                                  const float *x_scale, const float *w_scale, const int32_t *w_comp,
                                  const float *bias, int silu_mul, void *out, int out_dtype,
@@ -359,8 +374,14 @@ static inline void w8a8_epilogue(const int32_t *acc, int mr, int nt, int64_t pan
         float z[MAX_NT / 2 * PANEL];
         for (int j = 0; j < nt; j += 2) {
             const float *gate = y + j * PANEL, *up = y + (j + 1) * PANEL;
+#if defined(__AVX2__) && defined(__FMA__)
+            for (int c = 0; c < PANEL; c += 8)
+                _mm256_storeu_ps(z + j / 2 * PANEL + c,
+                                 silu_mul8(_mm256_loadu_ps(gate + c), _mm256_loadu_ps(up + c)));
+#else
 #pragma omp simd
             for (int c = 0; c < PANEL; c++) z[j / 2 * PANEL + c] = gate[c] / (1.0f + expf(-gate[c])) * up[c];
+#endif
         }
         const int64_t first = panel / 2 * PANEL;
         const int n = nt / 2 * PANEL;
