@@ -1,12 +1,14 @@
 /* The model's small ops on the CPU, as team kernels (cpu_common.h): the embedding lookup,
  * RMSNorm with the residual add, rotary embedding in place, SiLU-and-multiply, the KV cache
  * write, and the argmax of logit rows (greedy sampling). Each is one pass over its rows, split
- * by thread; torch runs each of them as 3-10 separate ops with a temporary in between (measured: 7.4 ms of "small ops" and
- * Python glue per single-stream decode step of SmolLM2-135M, against 14.5 ms of matmuls).
+ * by thread; torch runs each of them as 3-10 separate ops with a temporary in between
+ * (measured: 7.4 ms of "small ops" and Python glue per single-stream decode step of
+ * SmolLM2-135M, against 14.5 ms of matmuls).
  * Rounding follows the PyTorch references in engine/kernels/ (e.g. the residual sum and the
  * normalized value are rounded to the activation dtype, as HF's RMSNorm does).
  */
 #include <math.h>
+#include <stdlib.h>
 
 #include "cpu_common.h"
 
@@ -288,8 +290,9 @@ void kvrail_argmax_rows(const struct kvrail_argmax_rows_args *a, int tid, int nu
     int64_t begin, end;
     thread_range(a->num_rows, 1, tid, num_threads, &begin, &end);
     if (begin >= end) return;
-    float row[n];
-    int32_t key[n];
+    /* On the heap: a row of a 256k vocabulary is 2 MB here, more than a thread's stack. */
+    float *row = malloc(sizeof(float) * (size_t)n);
+    int32_t *key = malloc(sizeof(int32_t) * (size_t)n);
     for (int64_t r = begin; r < end; r++) {
         load_row(a->x, (int)a->dtype, r * a->stride_x, n, row);
         int32_t best = INT32_MIN;
@@ -310,4 +313,6 @@ void kvrail_argmax_rows(const struct kvrail_argmax_rows_args *a, int tid, int nu
         }
         a->out[r] = index;
     }
+    free(row);
+    free(key);
 }
