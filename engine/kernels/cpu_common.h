@@ -85,66 +85,52 @@ static inline __m256 exp8(__m256 x) {
 #endif
 
 /* With AVX512-BF16, the attention kernels multiply bf16 pairs (vdpbf16ps) and read the cache
- * 32 elements a vector as bf16: loaded as is, or from fp8 e4m3 through a 128-entry table of
- * the bf16 of each magnitude (every e4m3 value is exact in bf16); `lut` from e4m3_table. */
+ * 32 elements a vector as bf16: loaded as is, or from fp8 e4m3 by moving its bits into a
+ * bf16's places. A byte s eeee mmm sign-extended to 16 bits and shifted left by 4 holds the
+ * sign at bit 15 and eeee mmm at bits 10..4, where the low exponent bits and the high mantissa
+ * bits of a bf16 go; with bits 14..11 (copies of the sign) cleared it is the bf16 of
+ * x * E4M3_BF16_UNIT, exactly for every normal e4m3 value (2^-6 .. 448 land on bf16's 2^-126 ..
+ * 448 * 2^-120). Subnormal e4m3 values (|x| < 2^-6) land on bf16 subnormals, which vdpbf16ps
+ * reads as zero: an error under 2^-6 where a value near 1 already rounds by up to 2^-4, and
+ * the cache's scales put a layer's largest |x| near 224. So that the products of such small
+ * factors stay normal (vdpbf16ps flushes subnormal results too), the other operand, the query
+ * or the softmax weights, is multiplied by E4M3_OPERAND_SCALE first (exact: a power of two),
+ * and the kernels fold 1 / (E4M3_BF16_UNIT * E4M3_OPERAND_SCALE) = 2^56 into their scales.
+ * 3 instructions for 32 values where lookups in a table of the 128 magnitudes took 5 (with
+ * VBMI; 7 without); measured in the kernels' comments. */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-static inline __m512i load32_bf16(const uint16_t *p, const __m512i *lut) {
-    (void)lut;
-    return _mm512_loadu_si512(p);
+#define E4M3_BF16_UNIT 0x1p-120f
+#define E4M3_OPERAND_SCALE 0x1p64f
+
+static inline __m512i load32_bf16(const uint16_t *p) { return _mm512_loadu_si512(p); }
+
+static inline __m512i load32_e4m3(const uint8_t *p) {
+    const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16((short)0x87f0));
 }
 
-#if defined(__AVX512VBMI__)
-/* With VBMI, bytes: the low and the high byte of each magnitude's bf16 from two 128-byte
- * tables in one vpermi2b each (bit 7, the sign, is ignored by the lookup), the sign into the
- * high byte, then one vpermt2b interleaves them: 4 instructions for 32 values where 16-bit
- * lookups take 7. lut: the low bytes (lut[0], lut[1]), the high bytes (lut[2], lut[3]). */
-static inline __m512i load32_e4m3(const uint8_t *p, const __m512i *lut) {
-    const __m512i x = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)p));
-    const __m512i low = _mm512_permutex2var_epi8(lut[0], x, lut[1]);
-    const __m512i high = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(lut[2], x, lut[3]), x,
-                                                   _mm512_set1_epi8((char)0x80), 0xf8);
-    static const uint8_t interleave[64] = {
-        0,  64, 1,  65, 2,  66, 3,  67, 4,  68, 5,  69, 6,  70, 7,  71,
-        8,  72, 9,  73, 10, 74, 11, 75, 12, 76, 13, 77, 14, 78, 15, 79,
-        16, 80, 17, 81, 18, 82, 19, 83, 20, 84, 21, 85, 22, 86, 23, 87,
-        24, 88, 25, 89, 26, 90, 27, 91, 28, 92, 29, 93, 30, 94, 31, 95};
-    return _mm512_permutex2var_epi8(low, _mm512_loadu_si512(interleave), high);
+/* Lane i: bf16(lo[i]) | bf16(hi[i]) << 16, rounded to nearest even (vcvtneps2bf16). */
+static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+    const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+    const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
+    return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
 }
 
-static inline void e4m3_table(__m512i *lut) {
-    uint8_t bytes[256];
-    for (int i = 0; i < 128; i++) {
-        const uint8_t x = (uint8_t)i;
-        const uint16_t h = f32_to_bf16(load_e4m3(&x));
-        bytes[i] = (uint8_t)h;
-        bytes[128 + i] = (uint8_t)(h >> 8);
-    }
-    for (int i = 0; i < 4; i++) lut[i] = _mm512_loadu_si512(bytes + 64 * i);
-}
-#else
-static inline __m512i load32_e4m3(const uint8_t *p, const __m512i *lut) {
-    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
-    const __m512i low = _mm512_permutex2var_epi16(lut[0], x, lut[1]); /* |x| < 64 */
-    const __m512i high = _mm512_permutex2var_epi16(lut[2], x, lut[3]);
-    const __m512i magnitude =
-        _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x40)), low, high);
-    /* magnitude | (x << 8 & 0x8000): the sign bit */
-    return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(x, 8),
-                                     _mm512_set1_epi16((short)0x8000), 0xf8);
+/* The operand that meets cache rows of `elem_size` bytes an element: for fp8, x times
+ * E4M3_OPERAND_SCALE (exact, a power of two); else x as it is. In fp32, and as 32 bf16. */
+static inline __m512 cache_operand(__m512 x, size_t elem_size) {
+    return elem_size == 1 ? _mm512_mul_ps(x, _mm512_set1_ps(E4M3_OPERAND_SCALE)) : x;
 }
 
-/* lut[i / 32] lane i % 32: the bf16 of e4m3 magnitude i. */
-static inline void e4m3_table(__m512i *lut) {
-    uint16_t table[128];
-    for (int i = 0; i < 128; i++) {
-        const uint8_t x = (uint8_t)i;
-        table[i] = f32_to_bf16(load_e4m3(&x));
-    }
-    for (int i = 0; i < 4; i++) lut[i] = _mm512_loadu_si512(table + 32 * i);
+static inline __m512i cache_operand_bf16(__m512i x, size_t elem_size) {
+    if (elem_size != 1) return x;
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    const __m512 hi =
+        _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+    return bf16_pairs(cache_operand(lo, 1), cache_operand(hi, 1));
 }
-#endif
 
 /* exp(x), 16 at a time: 2^n 2^f with f in [-1/2, 1/2] (Taylor to degree 6 of e^(f ln 2), relative
  * error under 2e-7) scaled by vscalefps; x below -87 gives about 0 (not NaN: x may be -inf). */

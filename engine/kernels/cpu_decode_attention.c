@@ -443,7 +443,14 @@ DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_bf16_fp8, uint16_t, load_bf16,
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* With a bf16 query and AVX512-BF16, both passes multiply bf16 pairs into fp32 lanes
  * (vdpbf16ps) instead of widening every K and V element to fp32 first. fp8 rows become bf16
- * through a 128-entry table (every e4m3 value is exact in bf16).
+ * by shifts (load32_e4m3 of cpu_common.h, which says what that costs in precision): against
+ * the lookups in a table of the 128 magnitudes before, on the project's 2-vCPU AVX512-BF16
+ * EPYC, both libraries in turn in one process, twice (`python -m benchmarks.attention_kernels
+ * --engine-batch 128 --baseline-ref bd34737 --rounds 7`,
+ * results/attention_kernels-avx512-fp8-shift.md): 128 decodes over 400 fp8 tokens, 8 layers
+ * from DRAM, 0.86x the time (24.4 -> 28.2 GB/s; 0.55x a bf16 cache's time, where it was
+ * 0.65x), one decode 0.89x; bf16 cases within 0.99-1.02x but one decode's 1.13-1.14x (the
+ * same code with registers allocated otherwise).
  *
  * Pass 1 works on tiles of 16 tokens, the lanes of a vector, so scores need no reduction
  * across lanes per query head: per kv head and 32 dimensions, the tile's 16 rows of 16
@@ -528,7 +535,9 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int block_size = (int)a->block_size, shift = __builtin_ctz((unsigned)block_size);        \
     const int hd = HEAD_DIM, nc = HEAD_DIM / 32, group = num_heads / num_kv;                       \
     const int64_t stride_slot = (int64_t)num_kv * hd, head_bytes = hd * (int64_t)sizeof(C);        \
-    const __m512 score_scale = _mm512_set1_ps(a->scale * a->k_scale);                              \
+    /* fp8: the query and the weights are cache_operand()s; the rows' unit is undone here */      \
+    const float unit = sizeof(C) == 1 ? 1.0f / (E4M3_BF16_UNIT * E4M3_OPERAND_SCALE) : 1.0f;       \
+    const __m512 score_scale = _mm512_set1_ps(a->scale * a->k_scale * unit);                       \
     /* Where the stores find output dimensions 0-15 and 16-31 of 32 in o[2c] (0-15) and */         \
     /* o[2c + 1] (16-31): see pass 2. */                                                           \
     const __m512i dims_0_15 =                                                                      \
@@ -536,8 +545,6 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const __m512i dims_16_31 =                                                                     \
         _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);            \
     const int max_seq_len = longest_context(a), heads = heads_per_item(a, num_threads);            \
-    __m512i lut[4];                                                                                \
-    e4m3_table(lut);                                                                               \
     /* Per thread: scores [num_heads][padded length] in fp32, then as bf16 weights; the */         \
     /* query in pass 1's layout, [num_heads][nc][4] vectors. */                                    \
     const int64_t stride_s = (max_seq_len + 31) / 32 * 32;                                         \
@@ -551,7 +558,8 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         for (int h = g0 * group; h < g1 * group; h++)                                              \
             for (int c = 0; c < nc; c++)                                                           \
                 for (int j = 0; j < 4; j++)                                                        \
-                    qv[(h * nc + c) * 4 + j] = q_columns(qr + h * hd + c * 32, j);                 \
+                    qv[(h * nc + c) * 4 + j] =                                             \
+                        cache_operand_bf16(q_columns(qr + h * hd + c * 32, j), sizeof(C));         \
         /* Pass 1: scores of the tiles of 16 tokens; a short last tile repeats its last row. */    \
         for (int t0 = 0; t0 < seq_len; t0 += 16) {                                                 \
             const int n = seq_len - t0 < 16 ? seq_len - t0 : 16;                                   \
@@ -584,7 +592,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                             __m512i r[4];                                                          \
                             _Pragma("GCC unroll 4")                                                \
                             for (int m = 0; m < 4; m++)                                            \
-                                r[m] = LOAD32(k_cache + slot[4 * k + m] + g * hd + c * 32, lut);   \
+                                r[m] = LOAD32(k_cache + slot[4 * k + m] + g * hd + c * 32);        \
                             tile_columns(r);                                                       \
                             _Pragma("GCC unroll 4")                                                \
                             for (int j = 0; j < HEADS_PER_TILE; j++)                               \
@@ -622,10 +630,11 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                 const __m512 e0 = _mm512_maskz_mov_ps(lanes_below(seq_len - t), exp16(x0));        \
                 const __m512 e1 = _mm512_maskz_mov_ps(lanes_below(seq_len - t - 16), exp16(x1));   \
                 sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));                                   \
-                const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);                            \
+                const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(cache_operand(e1, sizeof(C)),       \
+                                                               cache_operand(e0, sizeof(C)));      \
                 _mm512_store_si512(weights + h * stride_s + t, w);                                 \
             }                                                                                      \
-            inv[h] = seq_len > 0 ? a->v_scale / _mm512_reduce_add_ps(sum) : 0.0f;                  \
+            inv[h] = seq_len > 0 ? a->v_scale * unit / _mm512_reduce_add_ps(sum) : 0.0f;           \
         }                                                                                          \
         /* This thread's next item: its K (NEXT_ROWS) is asked for a few rows at each of pass */  \
         /* 2's blocks. Pass 1 asks DRAM for this item's V, pass 2 (which reads V from L2) for */   \
@@ -664,9 +673,9 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                         __m512i pairs[2 * HEAD_DIM / 32];                                          \
                         for (int c = 0; c < nc; c++) {                                             \
                             const C *vc = v + i * stride_slot + c * 32;                            \
-                            const __m512i r0 = LOAD32(vc, lut);                                    \
+                            const __m512i r0 = LOAD32(vc);                                         \
                             /* past the context a row may hold anything, even NaN: zeros */        \
-                            const __m512i r1 = i + 1 < n ? LOAD32(vc + stride_slot, lut)           \
+                            const __m512i r1 = i + 1 < n ? LOAD32(vc + stride_slot)                \
                                                          : _mm512_setzero_si512();                 \
                             pairs[2 * c] = _mm512_unpacklo_epi16(r0, r1);                          \
                             pairs[2 * c + 1] = _mm512_unpackhi_epi16(r0, r1);                      \

@@ -209,13 +209,6 @@ typedef uint32_t u32_alias __attribute__((may_alias)); /* a bf16 pair, read in p
 #define ROWS 16 /* query tokens of an item: the lanes of a vector */
 #define KEYS 16 /* keys of a tile */
 
-/* Lane i: bf16(lo[i]) | bf16(hi[i]) << 16, rounded to nearest even (vcvtneps2bf16). */
-static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
-    const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
-    const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
-    return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
-}
-
 #define DEFINE_PREFILL_DPBF16(NAME, C, LOAD32, HEAD_DIM)                                          \
 static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {        \
     const uint16_t *q = a->q;                                                                      \
@@ -224,9 +217,9 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int hd = HEAD_DIM, np = HEAD_DIM / 2, group = num_heads / num_kv;                        \
     const int64_t stride_slot = (int64_t)num_kv * hd;                                              \
     const int bs_shift = __builtin_ctz((unsigned)a->block_size);                                   \
-    const __m512 score_scale = _mm512_set1_ps(a->scale * a->k_scale);                              \
-    __m512i lut[4];                                                                                \
-    e4m3_table(lut);                                                                               \
+    /* fp8: the query and the weights are cache_operand()s; the rows' unit is undone here */      \
+    const float unit = sizeof(C) == 1 ? 1.0f / (E4M3_BF16_UNIT * E4M3_OPERAND_SCALE) : 1.0f;       \
+    const __m512 score_scale = _mm512_set1_ps(a->scale * a->k_scale * unit);                       \
     /* Per thread: the item's query pairs transposed, qt[head][pair] (16 rows each), its */     \
     /* outputs ot[head][e] (dimension order of the V pairs), the tile's keys as bf16 and */      \
     /* its V pairs vp[key pair][e], e = 32c + 16h + l for dimension 32c + 8(l/4) + 4h + l%4 */   \
@@ -258,8 +251,8 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                 else                                                                               \
                     memset(rows[i], 0, 2 * (size_t)hd);                                            \
             for (int p = 0; p < np; p++)                                                           \
-                qt[j * np + p] = _mm512_i32gather_epi32(                                           \
-                    _mm512_mullo_epi32(lane, _mm512_set1_epi32(np)), &rows[0][p], 4);              \
+                qt[j * np + p] = cache_operand_bf16(_mm512_i32gather_epi32(                        \
+                    _mm512_mullo_epi32(lane, _mm512_set1_epi32(np)), &rows[0][p], 4), sizeof(C));  \
             m[j] = _mm512_set1_ps(-FLT_MAX);                                                       \
             l[j] = _mm512_setzero_ps();                                                            \
             for (int e = 0; e < hd; e++) ot[j * hd + e] = _mm512_setzero_ps();                     \
@@ -284,16 +277,16 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                     vrow[t] = (const uint16_t *)v;                                                 \
                 } else { /* e4m3: K to bf16 here, V below */                                       \
                     for (int c = 0; c < hd; c += 32)                                               \
-                        _mm512_store_si512(kb[t] + c, LOAD32(k + c, lut));                         \
+                        _mm512_store_si512(kb[t] + c, LOAD32(k + c));                              \
                     krow[t] = (const u32_alias *)kb[t];                                            \
                     vrow[t] = (const uint16_t *)v;                                                 \
                 }                                                                                  \
             }                                                                                      \
             for (int t = 0; t < KEYS; t += 2)                                                      \
                 for (int c = 0; c < hd; c += 32) {                                                 \
-                    const __m512i r0 = t < nk ? LOAD32((const C *)vrow[t] + c, lut)                \
+                    const __m512i r0 = t < nk ? LOAD32((const C *)vrow[t] + c)                     \
                                               : _mm512_setzero_si512();                            \
-                    const __m512i r1 = t + 1 < nk ? LOAD32((const C *)vrow[t + 1] + c, lut)        \
+                    const __m512i r1 = t + 1 < nk ? LOAD32((const C *)vrow[t + 1] + c)             \
                                                   : _mm512_setzero_si512();                        \
                     _mm512_store_si512(vp[t / 2] + c, _mm512_unpacklo_epi16(r0, r1));              \
                     _mm512_store_si512(vp[t / 2] + c + 16, _mm512_unpackhi_epi16(r0, r1));         \
@@ -327,7 +320,9 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
                 }                                                                                  \
                 l[j] = _mm512_fmadd_ps(l[j], alpha, sum);                                          \
                 __m512i pw[KEYS / 2];                                                              \
-                for (int t = 0; t < KEYS; t += 2) pw[t / 2] = bf16_pairs(s[t], s[t + 1]);          \
+                for (int t = 0; t < KEYS; t += 2)                                                  \
+                    pw[t / 2] = bf16_pairs(cache_operand(s[t], sizeof(C)),                         \
+                                           cache_operand(s[t + 1], sizeof(C)));                    \
                 /* 16 outputs at a time stay in registers over the tile's key pairs. */            \
                 for (int e0 = 0; e0 < hd; e0 += 16) {                                              \
                     __m512 o[16];                                                                  \
@@ -345,7 +340,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         for (int j = 0; j < group; j++) {                                                          \
             float res[HEAD_DIM][ROWS] __attribute__((aligned(64)));                                \
             /* l > 0 for every real row: its own position's key is seen */                         \
-            const __m512 inv = _mm512_div_ps(_mm512_set1_ps(a->v_scale), l[j]);                    \
+            const __m512 inv = _mm512_div_ps(_mm512_set1_ps(a->v_scale * unit), l[j]);             \
             for (int e = 0; e < hd; e++)                                                           \
                 _mm512_store_ps(res[e], _mm512_mul_ps(ot[j * hd + e], inv));                       \
             for (int i = 0; i < nq; i++) {                                                         \

@@ -8,6 +8,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention import FP8_DTYPE, default_attn_backend
+from engine.kernels import cpu_build
 from engine.kernels.cpu_attention import (
     MAX_DECODE_QUERY_LEN,
     paged_decode_attention,
@@ -76,12 +77,13 @@ def test_kernel_reads_fp8_cache(dtype, head_dim):
     assert not out[3].any(), "an empty context must give zeros, not NaN"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: AVX512-BF16's table
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: AVX512-BF16's path
 @pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])
 def test_kernel_decodes_every_e4m3_value_exactly(dtype, head_dim):
     """A one-token context: softmax weight 1, so the output is the cached V row as the kernel
     decodes it, times v_scale (exact even in bf16: 0.75 times an e4m3 value has at most 5
-    significant bits)."""
+    significant bits). Where the kernel multiplies bf16 pairs (a bf16 query, head size 64 or
+    128, AVX512-BF16), the 14 subnormal values read as zero (cpu_common.h says why)."""
     num_heads = 256 // head_dim
     values = torch.cat([E4M3_GRID, torch.zeros(2)])  # the 254 finite values (incl. subnormals)
     v_cache = torch.zeros(1, 8, num_heads, head_dim, dtype=FP8_DTYPE)
@@ -94,7 +96,12 @@ def test_kernel_decodes_every_e4m3_value_exactly(dtype, head_dim):
         q, k_cache, v_cache, one.view(1, 1), torch.tensor([0, 1], dtype=torch.int32),
         one + 1, one, 1.0, out, k_scale=1.0, v_scale=0.75,
     )  # fmt: skip
-    assert torch.equal(out.flatten().float(), 0.75 * values)
+    flushes = (
+        dtype == torch.bfloat16 and head_dim in (64, 128)
+        and {"avx512_bf16", "avx512bw"} <= cpu_build.cpu_flags()
+    )  # fmt: skip
+    expected = torch.where(values.abs() < 2**-6, 0.0, values) if flushes else values
+    assert torch.equal(out.flatten().float(), 0.75 * expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
