@@ -449,8 +449,11 @@ DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_bf16_fp8, uint16_t, load_bf16,
  * --engine-batch 128 --baseline-ref bd34737 --rounds 7`,
  * results/attention_kernels-avx512-fp8-shift.md): 128 decodes over 400 fp8 tokens, 8 layers
  * from DRAM, 0.86x the time (24.4 -> 28.2 GB/s; 0.55x a bf16 cache's time, where it was
- * 0.65x), one decode 0.89x; bf16 cases within 0.99-1.02x but one decode's 1.13-1.14x (the
- * same code with registers allocated otherwise).
+ * 0.65x), one decode 0.82-0.89x; bf16 cases 0.99-1.02x (one decode's 1.13x in runs of 10
+ * calls, 1.01x of 50: the same code, registers allocated otherwise). On an AVX512-BF16 Zen 5
+ * EPYC, the full workload with int8 weights and an fp8 cache
+ * (`results/throughput-avx512-fp8-shift-ab.md`) took the same time as before (19.3 against
+ * 19.2 s): there the engine's step is bound elsewhere.
  *
  * Pass 1 works on tiles of 16 tokens, the lanes of a vector, so scores need no reduction
  * across lanes per query head: per kv head and 32 dimensions, the tile's 16 rows of 16
