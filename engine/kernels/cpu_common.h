@@ -84,6 +84,52 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+/* Rows in vectors of 16 with AVX-512, lanes [0, n) of a row's last vector masked. Masked loads
+ * and stores cost more than plain ones (a masked store far more on AMD's cores), so a full
+ * vector takes a plain one: on 2 vCPUs of an AVX512-BF16 Zen 5 EPYC, by hand, RMSNorm's
+ * AVX-512 rows (cpu_ops.c) over 2048 bf16 rows of 576 with the residual add, inputs from DRAM,
+ * took 375-428 us a call with every vector masked, 202 with plain ones where full. The W8A8
+ * epilogue's stores, a few per row of sums, showed no difference
+ * (`python -m benchmarks.linear_kernels --num-tokens 1,128,2048`, the two trees in turn). */
+static inline __mmask16 lanes_below(int64_t n) {
+    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+
+static inline __m512 load16_f32(const float *p, __mmask16 mask) {
+    return mask == 0xffff ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mask, p);
+}
+
+static inline __m512 load16_bf16(const uint16_t *p, __mmask16 mask) {
+    const __m256i h = mask == 0xffff ? _mm256_loadu_si256((const __m256i *)p)
+                                     : _mm256_maskz_loadu_epi16(mask, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store16_f32(float *p, __mmask16 mask, __m512 x) {
+    if (mask == 0xffff)
+        _mm512_storeu_ps(p, x);
+    else
+        _mm512_mask_storeu_ps(p, mask, x);
+}
+
+static inline void store16_u16(uint16_t *p, __mmask16 mask, __m256i x) {
+    if (mask == 0xffff)
+        _mm256_storeu_si256((__m256i *)p, x);
+    else
+        _mm256_mask_storeu_epi16(p, mask, x);
+}
+
+static inline void store16_u8(uint8_t *p, __mmask16 mask, __m128i x) {
+    if (mask == 0xffff)
+        _mm_storeu_si128((__m128i *)p, x);
+    else
+        _mm_mask_storeu_epi8(p, mask, x);
+}
+#endif
+
 /* With AVX512-BF16, the attention kernels multiply bf16 pairs (vdpbf16ps) and read the cache
  * 32 elements a vector as bf16: loaded as is, or from fp8 e4m3 by moving its bits into a
  * bf16's places. A byte s eeee mmm sign-extended to 16 bits and shifted left by 4 holds the

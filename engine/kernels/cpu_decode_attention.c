@@ -525,11 +525,6 @@ static inline __m512 tile_scores(const __m512 *s) {
                          _mm512_shuffle_f32x4(s01, s23, 0xdd));
 }
 
-/* Lanes [0, n) of 16. */
-static inline __mmask16 lanes_below(int n) {
-    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-}
-
 #define DEFINE_DECODE_DPBF16(NAME, C, LOAD32, HEAD_DIM)                                            \
 static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {                \
     const uint16_t *q = a->q;                                                                      \
