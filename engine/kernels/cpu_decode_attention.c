@@ -444,16 +444,16 @@ DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_bf16_fp8, uint16_t, load_bf16,
 /* With a bf16 query and AVX512-BF16, both passes multiply bf16 pairs into fp32 lanes
  * (vdpbf16ps) instead of widening every K and V element to fp32 first. fp8 rows become bf16
  * by shifts (load32_e4m3 of cpu_common.h, which says what that costs in precision): against
- * the lookups in a table of the 128 magnitudes before, on the project's 2-vCPU AVX512-BF16
+ * the lookups in a table of the 128 magnitudes before, on 2 vCPUs of an AVX512-BF16 Zen 5
  * EPYC, both libraries in turn in one process, twice (`python -m benchmarks.attention_kernels
  * --engine-batch 128 --baseline-ref bd34737 --rounds 7`,
  * results/attention_kernels-avx512-fp8-shift.md): 128 decodes over 400 fp8 tokens, 8 layers
  * from DRAM, 0.86x the time (24.4 -> 28.2 GB/s; 0.55x a bf16 cache's time, where it was
  * 0.65x), one decode 0.82-0.89x; bf16 cases 0.99-1.02x (one decode's 1.13x in runs of 10
- * calls, 1.01x of 50: the same code, registers allocated otherwise). On an AVX512-BF16 Zen 5
- * EPYC, the full workload with int8 weights and an fp8 cache
- * (`results/throughput-avx512-fp8-shift-ab.md`) took the same time as before (19.3 against
- * 19.2 s): there the engine's step is bound elsewhere.
+ * calls, 1.01x of 50: the same code, registers allocated otherwise). On the same machine the
+ * full workload with int8 weights and an fp8 cache (`results/throughput-avx512-fp8-shift-ab.md`)
+ * took the same time as before (19.3 against 19.2 s): its decode attention was not bound by the
+ * conversions there; on the Zen 4 EPYC it was (section 12 of benchmarks/README.md).
  *
  * Pass 1 works on tiles of 16 tokens, the lanes of a vector, so scores need no reduction
  * across lanes per query head: per kv head and 32 dimensions, the tile's 16 rows of 16
@@ -556,7 +556,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         for (int h = g0 * group; h < g1 * group; h++)                                              \
             for (int c = 0; c < nc; c++)                                                           \
                 for (int j = 0; j < 4; j++)                                                        \
-                    qv[(h * nc + c) * 4 + j] =                                             \
+                    qv[(h * nc + c) * 4 + j] =                                                 \
                         cache_operand_bf16(q_columns(qr + h * hd + c * 32, j), sizeof(C));         \
         /* Pass 1: scores of the tiles of 16 tokens; a short last tile repeats its last row. */    \
         for (int t0 = 0; t0 < seq_len; t0 += 16) {                                                 \
