@@ -102,10 +102,13 @@ static inline __m512 load16_f32(const float *p, __mmask16 mask) {
     return mask == 0xffff ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(mask, p);
 }
 
-static inline __m512 load16_bf16(const uint16_t *p, __mmask16 mask) {
-    const __m256i h = mask == 0xffff ? _mm256_loadu_si256((const __m256i *)p)
-                                     : _mm256_maskz_loadu_epi16(mask, p);
+static inline __m512 widen16_bf16(__m256i h) { /* 16 bf16 -> fp32, exactly */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 load16_bf16(const uint16_t *p, __mmask16 mask) {
+    return widen16_bf16(mask == 0xffff ? _mm256_loadu_si256((const __m256i *)p)
+                                       : _mm256_maskz_loadu_epi16(mask, p));
 }
 
 static inline void store16_f32(float *p, __mmask16 mask, __m512 x) {

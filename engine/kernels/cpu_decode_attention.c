@@ -483,8 +483,9 @@ DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_bf16_fp8, uint16_t, load_bf16,
 #define HEADS_PER_TILE 4 /* query heads whose 4 row-group sums stay in registers in pass 1 */
 #define AHEAD 32 /* tokens between the rows pass 1 reads and those it prefetches: two tiles */
 /* Rows of the next item's K that pass 2 asks for when it is another request's: with a bf16
- * cache, up to 512 tokens (192 KB of SmolLM2's, in a 1 MB L2); an fp8 cache's kernel is bound
- * by its conversions, and more prefetches than its first two tiles cost it time. The same
+ * cache, up to 512 tokens (192 KB of SmolLM2's, in a 1 MB L2); an fp8 cache's kernel, bound
+ * by its table conversions then, lost time to more prefetches than its first two tiles, and
+ * with the shifts 1,024 rows were no better (1.02x the time on a Zen 5 EPYC). The same
  * request's next query or kv head gets two tiles: its rows are mostly in cache already.
  * Against two tiles for every item, on the project's 2-vCPU AVX512-BF16 EPYC, both libraries
  * in turn in one process (`python -m benchmarks.attention_kernels --engine-batch 128

@@ -81,11 +81,6 @@ static void store_row(void *p, int dtype, int64_t offset, int64_t n, const float
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-static inline __m512 round16_bf16(__m512 x) { /* to the nearest bf16, even on ties */
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 /* A bf16 row with AVX512-BF16: the loops below in registers, 16 lanes a vector, each rounding
  * one vcvtneps2bf16 (nearest even, as f32_to_bf16; fp32 subnormals become zero) where they
  * take integer arithmetic on fp32 copies of the row. On 2 vCPUs of an AVX512-BF16 Zen 5 EPYC,
@@ -100,8 +95,10 @@ static void rms_norm_row_bf16(const uint16_t *x, const uint16_t *residual, const
         const __mmask16 mask = lanes_below(n - k);
         __m512 v = load16_bf16(x + k, mask);
         if (residual) { /* the sum, rounded to bf16, is the next residual */
-            v = round16_bf16(_mm512_add_ps(v, load16_bf16(residual + k, mask)));
-            store16_u16(residual_out + k, mask, (__m256i)_mm512_cvtneps_pbh(v));
+            const __m256i sum = (__m256i)_mm512_cvtneps_pbh(
+                _mm512_add_ps(v, load16_bf16(residual + k, mask)));
+            store16_u16(residual_out + k, mask, sum);
+            v = widen16_bf16(sum);
         }
         sum_sq = _mm512_fmadd_ps(v, v, sum_sq);
     }
@@ -110,7 +107,8 @@ static void rms_norm_row_bf16(const uint16_t *x, const uint16_t *residual, const
     const uint16_t *row = residual ? residual_out : x;
     for (int64_t k = 0; k < n; k += 16) {
         const __mmask16 mask = lanes_below(n - k);
-        const __m512 normed = round16_bf16(_mm512_mul_ps(load16_bf16(row + k, mask), rstd));
+        const __m512 normed = widen16_bf16(
+            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(load16_bf16(row + k, mask), rstd)));
         const __m512 y = _mm512_mul_ps(normed, load16_f32(weight + k, mask));
         store16_u16(out + k, mask, (__m256i)_mm512_cvtneps_pbh(y));
     }
