@@ -238,21 +238,24 @@ void kvrail_silu_and_mul(const struct kvrail_silu_and_mul_args *a, int tid, int 
 }
 
 /* float -> fp8 e4m3 (finite variant: no infinities, 0x7f is NaN), round to nearest even,
- * saturating at +-448 as the KV cache's writers do. */
+ * saturating at +-448 as the KV cache's writers do. Integer ops and selects only, so a loop of
+ * it vectorizes (-ffast-math would also fold a float NaN test away): a normal's mantissa is
+ * rounded to 3 bits in place, a carry moving into the exponent; below 2^-6 the code is
+ * round(|x| 2^9), the subnormal steps (8 is the smallest normal's code). Element by element with
+ * branches, an int8 run of the full workload with an fp8 cache spent 3.2% of its time here on
+ * the 2-vCPU AVX512-BF16 Zen 4 EPYC (perf, one process). */
 static inline uint8_t f32_to_e4m3(float x) {
     uint32_t bits;
     memcpy(&bits, &x, sizeof bits);
-    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80);
-    const float a = fabsf(x);
-    if (!(a < 448.0f)) return a != a ? (uint8_t)(sign | 0x7f) : (uint8_t)(sign | 0x7e);
-    if (a < 0.015625f) /* subnormal: m * 2^-9, m = 8 rounds up to the smallest normal */
-        return (uint8_t)(sign | (uint8_t)nearbyintf(a * 512.0f));
-    memcpy(&bits, &a, sizeof bits);
-    uint32_t exponent = (bits >> 23) - 127 + 7, mantissa = bits & 0x7fffffu;
-    mantissa += 0x7ffffu + ((mantissa >> 20) & 1u);
-    if (mantissa & 0x800000u) exponent += 1, mantissa = 0;
-    uint32_t code = (exponent << 3) | ((mantissa >> 20) & 7u);
-    return (uint8_t)(sign | (code > 0x7e ? 0x7e : code));
+    const uint32_t sign = (bits >> 24) & 0x80u, magnitude = bits & 0x7fffffffu;
+    const int32_t normal =
+        (int32_t)((magnitude + 0x7ffffu + ((magnitude >> 20) & 1u)) >> 20) - ((127 - 7) << 3);
+    float a;
+    memcpy(&a, &magnitude, sizeof a);
+    int32_t code = magnitude < 0x3c800000u /* 2^-6 */ ? (int32_t)nearbyintf(a * 512.0f) : normal;
+    code = code > 0x7e ? 0x7e : code;
+    code = magnitude > 0x7f800000u ? 0x7f : code;
+    return (uint8_t)(sign | (uint32_t)code);
 }
 
 struct kvrail_write_kv_args {
@@ -267,13 +270,19 @@ struct kvrail_write_kv_args {
 
 static void write_head(const void *src, int dtype, int64_t src_row, void *cache, int cache_dtype,
                        int64_t dst_row, int64_t head_dim, const float *shift, float scale) {
-    for (int64_t d = 0; d < head_dim; d++) {
-        const float x = load_float(src, dtype, src_row + d);
-        if (cache_dtype == KVRAIL_FP8_E4M3)
-            ((uint8_t *)cache)[dst_row + d] = f32_to_e4m3((shift ? x - shift[d] : x) / scale);
-        else
-            store_float(cache, cache_dtype, dst_row + d, x);
+    float row[head_dim];
+    load_row(src, dtype, src_row, head_dim, row);
+    if (cache_dtype != KVRAIL_FP8_E4M3) {
+        store_row(cache, cache_dtype, dst_row, head_dim, row);
+        return;
     }
+    uint8_t *dst = (uint8_t *)cache + dst_row;
+    if (shift)
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = f32_to_e4m3((row[d] - shift[d]) / scale);
+    else
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = f32_to_e4m3(row[d] / scale);
 }
 
 /* A cache in the activations' dtype takes a token's rows as they are: one copy of all its kv

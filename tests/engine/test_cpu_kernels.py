@@ -6,6 +6,7 @@ as the Triton kernels); the KV write (float and fp8); capture and replay of CPU 
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -317,10 +318,9 @@ def test_write_kv_cache(dtype):
 
 
 def test_write_kv_cache_fp8_rounds_and_saturates_like_torch():
-    # Normals, subnormals, halfway cases, values past +-448 once scaled, zeros.
-    values = torch.cat(
-        [torch.randn(200) * 30, torch.randn(100) * 0.01, torch.tensor([0.0, -0.0, 1e6, -1e6])]
-    )
+    # Normals, subnormals, halfway cases, values past +-448 once scaled, zeros, inf and NaN.
+    special = torch.tensor([0.0, -0.0, 1e6, -1e6, math.inf, -math.inf, math.nan])
+    values = torch.cat([torch.randn(200) * 30, torch.randn(100) * 0.01, special])
     values = torch.cat([values, torch.zeros(512 - len(values))]).view(16, 2, 16)
     k_cache = torch.zeros(4, 4, 2, 16, dtype=torch.float8_e4m3fn)
     v_cache = torch.zeros_like(k_cache)
