@@ -56,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--output-len", type=parse_range, default=(128, 128), help="LOW:HIGH output tokens")
     add("--dtype", default="auto")
     add("--quantization", default=None, help="e.g. int8")
+    add("--kv-cache-dtype", default="auto", help="auto or fp8")
     add("--enforce-eager", action="store_true", help="no decode graphs")
     add("--attention-backends", default="torch,cpu", help="comma list, profiled in turn")
     add("--skip-steps", type=int, default=40, help="steps before profiling (prefills)")
@@ -75,6 +76,7 @@ def profile_backend(args: argparse.Namespace, workload: list, backend: str) -> d
         model=args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager,
         max_num_seqs=args.num_requests,
         attention_backend=backend,
@@ -103,7 +105,14 @@ def profile_backend(args: argparse.Namespace, workload: list, backend: str) -> d
     return {
         "backend": runner.attn_backend.name,
         "dtype": ", ".join(
-            filter(None, (args.quantization, str(runner.dtype).removeprefix("torch.")))
+            filter(
+                None,
+                (
+                    args.quantization,
+                    str(runner.dtype).removeprefix("torch."),
+                    "fp8 kv" if args.kv_cache_dtype == "fp8" else None,
+                ),
+            )
         ),
         "num_running": num_running,
         "step_ms": step_ms,

@@ -31,6 +31,7 @@ from benchmarks.common import (
     corpus_token_ids,
     fmt,
     greedy_params,
+    linear_shapes,
     make_workload,
     markdown_table,
     measure_matmul_flops,
@@ -128,6 +129,34 @@ def run_workload(llm: Any, prompts: list[list[int]], output_lens: list[int]) -> 
     if produced != sum(output_lens):
         raise RuntimeError(f"kvrail produced {produced} output tokens, expected {sum(output_lens)}")
     return {"seconds": seconds, "num_preemptions": llm.llm_engine.get_stats().num_preemptions}
+
+
+def workload_work(config: Any, workload: list[BenchRequest]) -> dict[str, float]:
+    """What the workload asks of any engine, whatever its speed: a floor for a machine is each
+    part at that machine's ceiling. Linear layers: every prompt token and every decode pass
+    (each output token but the first, which the prompt's last position gives) through the
+    layers, the LM head once per output token. Decode attention: each decode pass reads its
+    whole context's K and V, per layer (bytes of a bf16 cache; fp8 halves them). Prompt
+    attention: causal QK^T and PV over each prompt."""
+    *layers, (hidden, vocab) = linear_shapes(config)
+    body = sum(n_in * n_out for n_in, n_out in layers)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers_heads = config.num_hidden_layers * config.num_attention_heads
+    kv_bytes_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
+    prompt_lens = [len(r.prompt_token_ids) for r in workload]
+    output_lens = [r.output_len for r in workload]
+    decode_passes = sum(output_lens) - len(workload)
+    # decode pass j = 1 .. o - 1 of a request attends to p + j tokens
+    contexts = sum(
+        (o - 1) * p + o * (o - 1) // 2 for p, o in zip(prompt_lens, output_lens, strict=True)
+    )
+    linear_macs = (sum(prompt_lens) + decode_passes) * body + sum(output_lens) * hidden * vocab
+    prompt_scores = sum(p * (p + 1) // 2 for p in prompt_lens)  # causal, per layer and head
+    return {
+        "linear_tera_ops": 2.0 * linear_macs / 1e12,
+        "decode_kv_gigabytes": kv_bytes_per_token * contexts / 1e9,
+        "prompt_attention_teraflops": 4.0 * layers_heads * head_dim * prompt_scores / 1e12,
+    }
 
 
 def run_kvrails(args: argparse.Namespace, workload: list[BenchRequest]) -> dict[str, Any]:
@@ -337,8 +366,21 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results["llama-cpp"] = llama
     notes.append("Peers run a seeded subset of the same requests; ratios are per output token.")
+    work = workload_work(config, workload)
+    notes.append(
+        f"The workload's work (`workload_work`): {work['linear_tera_ops']:.2f} TOP in linear"
+        f" layers, {work['decode_kv_gigabytes']:.1f} GB of K and V read by decode attention from"
+        f" a bf16 cache (half from fp8), {work['prompt_attention_teraflops']:.3f} TFLOP of prompt"
+        " attention."
+    )
     markdown = report(args, results, compute, notes)
-    payload = {"args": vars(args), "compute": compute, "results": results, "notes": notes}
+    payload = {
+        "args": vars(args),
+        "compute": compute,
+        "work": work,
+        "results": results,
+        "notes": notes,
+    }
     write_results(args.name, payload, markdown)
     return 0
 

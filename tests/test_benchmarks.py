@@ -27,6 +27,7 @@ from benchmarks.common import (
 from benchmarks.kv_waste import simulate_contiguous, simulate_paged
 from benchmarks.profile_step import part_of
 from benchmarks.serve import comparison_rows, summarize_rounds
+from benchmarks.throughput import workload_work
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = list(range(1000, 6000))  # a stand-in corpus: every window is recognisable
@@ -180,6 +181,22 @@ def test_model_flops_per_token_smollm2():
     per_layer = 576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536
     assert model_flops_per_token(config) == 2 * (30 * per_layer + 576 * 49152)
     assert model_flops_per_token(config) == pytest.approx(0.269e9, rel=0.01)
+
+
+def test_workload_work_counts_by_hand():
+    # 1 layer, 2 heads of 4 sharing 1 kv head, hidden 8, MLP 16, vocab 10.
+    config = SimpleNamespace(
+        hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=4, num_hidden_layers=1, vocab_size=10,
+    )  # fmt: skip
+    body = 8 * 8 + 8 * 4 * 2 + 8 * 8 + 3 * 8 * 16  # q, k and v, o, gate + up + down
+    # A 3-token prompt with 2 outputs: 4 tokens through the layers (the second output needs
+    # one decode pass), the LM head twice; that pass reads 4 tokens of K and V (2 B each, 1
+    # kv head of 4); the prompt's causal attention has 1 + 2 + 3 scores per head.
+    work = workload_work(config, [SimpleNamespace(prompt_token_ids=[1, 2, 3], output_len=2)])
+    assert work["linear_tera_ops"] * 1e12 == pytest.approx(2 * (4 * body + 2 * 8 * 10))
+    assert work["decode_kv_gigabytes"] * 1e9 == pytest.approx(4 * 2 * 4 * 2)
+    assert work["prompt_attention_teraflops"] * 1e12 == pytest.approx(2 * 6 * 4 * 2 * 2)
 
 
 # A hand-checkable mix with blocks of 4 tokens: r0 has a 5-token prompt and 3 outputs, r1 a
