@@ -32,30 +32,41 @@
  * that token's own decode step computes it (the same code over the same context length): a
  * row's output does not depend on what else its step holds, so a speculative verify step
  * scores its drafts bit for bit as plain decode steps would (and `cpu_backend` sends requests
- * of up to MAX_DECODE_QUERY_LEN queries here). Items are dealt out to threads in turn:
- * contexts of random lengths even out across threads. With fewer queries than two per thread,
- * an item is one kv head (each head's sums are its own, so the results are the same), so that
- * one stream's decode uses every thread. */
+ * of up to MAX_DECODE_QUERY_LEN queries here). Each thread takes a contiguous run of items
+ * holding its share of the step's work (an item weighs its context length times its kv heads,
+ * plus one), the item going to the thread whose share holds its middle: dealt out in turn
+ * instead, the full workload's contexts left one thread 2.5-8% more work than the other at
+ * decode steps 40-180 (computed from its lengths), which the other spent waiting at the
+ * barrier. With fewer queries than two per thread, an item is one kv head (each head's sums
+ * are its own, so the results are the same), so that one stream's decode uses every thread. */
 struct decode_item {
-    int64_t n, count; /* where the walk is: request n of req_indices, items passed */
+    int64_t n, work;  /* where the walk is: request n of req_indices, work passed */
     int i, g;         /* its query, and the next kv head */
     int req, seq_len; /* the item: request, its query's context length, */
     int g_begin, g_end; /* kv heads [g_begin, g_end), */
     int64_t row;      /* and the query's row of q and out */
+    int heads;        /* kv heads per item */
+    int64_t total;    /* the step's work */
 };
 
-static int heads_per_item(const struct kvrail_attention_args *a, int num_threads) {
-    int64_t num_queries = 0;
+/* The walk's start: before any item, with the step's item size and total work. */
+static struct decode_item first_item(const struct kvrail_attention_args *a, int num_threads) {
+    int64_t num_queries = 0, total = 0;
     for (int64_t n = 0; n < a->num_requests; n++) {
         const int req = a->req_indices[n];
-        num_queries += a->query_start_loc[req + 1] - a->query_start_loc[req];
+        const int q_len = (int)(a->query_start_loc[req + 1] - a->query_start_loc[req]);
+        num_queries += q_len;
+        for (int i = 0; i < q_len; i++) total += a->seq_lens[req] - q_len + 1 + i;
     }
-    return num_queries < 2 * num_threads ? 1 : (int)a->num_kv_heads;
+    const int heads = num_queries < 2 * num_threads ? 1 : (int)a->num_kv_heads;
+    const int num_kv = (int)a->num_kv_heads, items_per_query = (num_kv + heads - 1) / heads;
+    return (struct decode_item){.heads = heads,
+                                .total = total * num_kv + num_queries * items_per_query};
 }
 
 /* Moves `it` to this thread's next item; 0 when there is none. */
 static int next_item(const struct kvrail_attention_args *a, int tid, int num_threads,
-                     int heads, struct decode_item *it) {
+                     struct decode_item *it) {
     const int num_kv = (int)a->num_kv_heads;
     for (; it->n < a->num_requests; it->n++, it->i = 0) {
         const int req = a->req_indices[it->n];
@@ -63,14 +74,18 @@ static int next_item(const struct kvrail_attention_args *a, int tid, int num_thr
         const int q_len = (int)(a->query_start_loc[req + 1] - first);
         for (; it->i < q_len; it->i++, it->g = 0)
             while (it->g < num_kv) {
-                const int g = it->g;
-                it->g += heads;
-                if (it->count++ % num_threads != tid) continue;
+                const int g = it->g, seq_len = a->seq_lens[req] - q_len + 1 + it->i;
+                it->g += it->heads;
+                const int g_end = it->g < num_kv ? it->g : num_kv;
+                const int64_t weight = (int64_t)seq_len * (g_end - g) + 1;
+                const int64_t middle = it->work + weight / 2;
+                it->work += weight;
+                if (middle * num_threads / it->total != tid) continue;
                 it->req = req;
                 it->row = first + it->i;
-                it->seq_len = a->seq_lens[req] - q_len + 1 + it->i;
+                it->seq_len = seq_len;
                 it->g_begin = g;
-                it->g_end = it->g < num_kv ? it->g : num_kv;
+                it->g_end = g_end;
                 return 1;
             }
     }
@@ -148,14 +163,15 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int64_t stride_slot = a->num_kv_heads * hd;                                              \
     const int64_t row_bytes = stride_slot * (int64_t)sizeof(C);                                    \
     const float q_scale = a->scale * a->k_scale;                                                   \
-    const int max_seq_len = longest_context(a), heads = heads_per_item(a, num_threads);            \
+    const int max_seq_len = longest_context(a);                                                    \
     /* Per thread: scores [num_heads][max_seq_len] (+1: never a zero-size malloc), q and acc  */  \
     /* [num_heads][head_dim], each head's softmax sum. */                                         \
     float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)(max_seq_len + 1));        \
     float *qf = malloc(sizeof(float) * (size_t)num_heads * (size_t)hd);                            \
     float *acc = malloc(sizeof(float) * (size_t)num_heads * (size_t)hd);                           \
     float *sums = malloc(sizeof(float) * (size_t)num_heads);                                       \
-    for (struct decode_item it = {0}; next_item(a, tid, num_threads, heads, &it);) {               \
+    for (struct decode_item it = first_item(a, num_threads);                                       \
+         next_item(a, tid, num_threads, &it);) {                                                   \
         const int seq_len = it.seq_len, h0 = it.g_begin * group, h1 = it.g_end * group;            \
         const int32_t *blocks = a->block_table + it.req * a->stride_bt;                            \
         const int64_t row = it.row;                                                                \
@@ -376,7 +392,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int64_t row_bytes = stride_slot * (int64_t)sizeof(C);                                    \
     const float unit = sizeof(C) == 1 ? E4M3_UNIT : 1.0f; /* fp8: what VLOAD divided by */     \
     const float q_scale = a->scale * a->k_scale * unit;                                            \
-    const int max_seq_len = longest_context(a), heads = heads_per_item(a, num_threads);            \
+    const int max_seq_len = longest_context(a);                                                    \
     /* Per thread: scores [num_heads][padded length], q, each head's CHUNK partial dots and */ \
     /* its outputs. */                                                                             \
     const int64_t stride_s = (max_seq_len + CHUNK - 1) / CHUNK * CHUNK + CHUNK;                    \
@@ -384,7 +400,8 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     float *qf = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * hd));                       \
     VEC *part = aligned_alloc(64, sizeof(VEC) * (size_t)(num_heads * CHUNK));                      \
     float *acc = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * hd));                      \
-    for (struct decode_item it = {0}; next_item(a, tid, num_threads, heads, &it);) {               \
+    for (struct decode_item it = first_item(a, num_threads);                                       \
+         next_item(a, tid, num_threads, &it);) {                                                  \
         const int seq_len = it.seq_len, g0 = it.g_begin, g1 = it.g_end;                            \
         const int32_t *blocks = a->block_table + it.req * a->stride_bt;                            \
         const int64_t row = it.row;                                                                \
@@ -543,14 +560,15 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);                  \
     const __m512i dims_16_31 =                                                                     \
         _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);            \
-    const int max_seq_len = longest_context(a), heads = heads_per_item(a, num_threads);            \
+    const int max_seq_len = longest_context(a);                                                    \
     /* Per thread: scores [num_heads][padded length] in fp32, then as bf16 weights; the */         \
     /* query in pass 1's layout, [num_heads][nc][4] vectors. */                                    \
     const int64_t stride_s = (max_seq_len + 31) / 32 * 32;                                         \
     float *scores = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * stride_s));             \
     uint16_t *weights = aligned_alloc(64, sizeof(uint16_t) * (size_t)(num_heads * stride_s));      \
     __m512i *qv = aligned_alloc(64, sizeof(__m512i) * (size_t)(num_heads * nc * 4));               \
-    for (struct decode_item it = {0}; next_item(a, tid, num_threads, heads, &it);) {               \
+    for (struct decode_item it = first_item(a, num_threads);                                       \
+         next_item(a, tid, num_threads, &it);) {                                                  \
         const int seq_len = it.seq_len, g0 = it.g_begin, g1 = it.g_end;                            \
         const int32_t *blocks = a->block_table + it.req * a->stride_bt;                            \
         const uint16_t *qr = q + it.row * a->stride_q;                                             \
@@ -640,14 +658,16 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         /* the next one's K, so both passes keep misses in flight; with the next item's first */   \
         /* two tiles alone, pass 2 left DRAM idle (measured: see NEXT_ROWS). */                    \
         struct decode_item next = it;                                                              \
-        const int next_max = next_item(a, tid, num_threads, heads, &next) == 0 ? 0                 \
+        const int next_max = next_item(a, tid, num_threads, &next) == 0 ? 0                 \
                              : next.req == it.req ? AHEAD : NEXT_ROWS(C);                          \
         const int next_rows = next.seq_len < next_max ? next.seq_len : next_max;                   \
         const int32_t *next_blocks = a->block_table + next.req * a->stride_bt;                     \
         const int pass2_blocks = (g1 - g0) * ((group + HEADS_PER_PASS - 1) / HEADS_PER_PASS)       \
                                  * ((seq_len + block_size - 1) / block_size);                      \
-        const int next_per_block =                                                                 \
-            next_rows <= AHEAD ? 2 : (next_rows + pass2_blocks - 1) / pass2_blocks;                \
+        /* (an empty context has no pass 2 to spread them over) */                                 \
+        const int next_per_block = next_rows <= AHEAD || pass2_blocks == 0                         \
+                                       ? 2                                                         \
+                                       : (next_rows + pass2_blocks - 1) / pass2_blocks;            \
         int next_t = 0;                                                                            \
         /* Pass 2: per kv head, V streams by two tokens at a time while up to HEADS_PER_PASS */    \
         /* query heads accumulate in registers. Lane j of o[.][2c] holds dimension */              \
