@@ -223,10 +223,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.kernels.cpu_runtime import library
     from engine.model_runner import resolve_dtype
+    from engine.models.llama import head_dim_of
 
     config = AutoConfig.from_pretrained(resolve_model(args.model))
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    heads = (config.num_attention_heads, config.num_key_value_heads, head_dim)
+    heads = (config.num_attention_heads, config.num_key_value_heads, head_dim_of(config))
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     threads = torch.get_num_threads()
     torch.manual_seed(0)

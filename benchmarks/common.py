@@ -297,8 +297,10 @@ def warm_up(engine: Any) -> None:
 
 def linear_shapes(config: Any) -> list[tuple[int, int]]:
     """(in, out) of every matmul of one token's forward pass, LM head included."""
+    from engine.models.llama import head_dim_of
+
     hidden, inter = config.hidden_size, config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    head_dim = head_dim_of(config)
     q_out = config.num_attention_heads * head_dim
     kv_out = config.num_key_value_heads * head_dim
     layer = [(hidden, q_out), (hidden, kv_out), (hidden, kv_out), (q_out, hidden)]

@@ -43,8 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def engine_shapes(config: Any) -> list[tuple[int, int, int]]:
     """(in, out, count) of the engine's fused linear layers in one forward pass."""
+    from engine.models.llama import head_dim_of
+
     hidden, inter = config.hidden_size, config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    head_dim = head_dim_of(config)
     q_out = config.num_attention_heads * head_dim
     kv_out = config.num_key_value_heads * head_dim
     layers = config.num_hidden_layers

@@ -138,9 +138,11 @@ def workload_work(config: Any, workload: list[BenchRequest]) -> dict[str, float]
     layers, the LM head once per output token. Decode attention: each decode pass reads its
     whole context's K and V, per layer (bytes of a bf16 cache; fp8 halves them). Prompt
     attention: causal QK^T and PV over each prompt."""
+    from engine.models.llama import head_dim_of
+
     *layers, (hidden, vocab) = linear_shapes(config)
     body = sum(n_in * n_out for n_in, n_out in layers)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = head_dim_of(config)
     layers_heads = config.num_hidden_layers * config.num_attention_heads
     kv_bytes_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
     prompt_lens = [len(r.prompt_token_ids) for r in workload]

@@ -176,6 +176,11 @@ static inline __m512 cache_operand(__m512 x, size_t elem_size) {
     return elem_size == 1 ? _mm512_mul_ps(x, _mm512_set1_ps(E4M3_OPERAND_SCALE)) : x;
 }
 
+/* What a kernel multiplies its scores and outputs by to undo cache_operand and the rows' unit. */
+static inline float cache_operand_unit(size_t elem_size) {
+    return elem_size == 1 ? 1.0f / (E4M3_BF16_UNIT * E4M3_OPERAND_SCALE) : 1.0f;
+}
+
 static inline __m512i cache_operand_bf16(__m512i x, size_t elem_size) {
     if (elem_size != 1) return x;
     const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));

@@ -154,7 +154,7 @@ static inline float softmax_unnormalized(float *scores, int seq_len) {
 }
 
 #define DEFINE_DECODE(NAME, T, LOAD_Q, C, LOAD_C, HEAD_DIM)                                        \
-static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {        \
+static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {                \
     const T *q = a->q;                                                                             \
     const C *k_cache = a->k_cache, *v_cache = a->v_cache;                                          \
     const int num_heads = (int)a->num_heads, block_size = (int)a->block_size;                      \
@@ -164,9 +164,9 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int64_t row_bytes = stride_slot * (int64_t)sizeof(C);                                    \
     const float q_scale = a->scale * a->k_scale;                                                   \
     const int max_seq_len = longest_context(a);                                                    \
-    /* Per thread: scores [num_heads][max_seq_len] (+1: never a zero-size malloc), q and acc  */  \
-    /* [num_heads][head_dim], each head's softmax sum. */                                         \
-    float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)(max_seq_len + 1));        \
+    /* Per thread: scores [num_heads][max_seq_len] (+1: never a zero-size malloc), q and acc  */   \
+    /* [num_heads][head_dim], each head's softmax sum. */                                          \
+    float *scores = malloc(sizeof(float) * (size_t)num_heads * (size_t)(max_seq_len + 1));         \
     float *qf = malloc(sizeof(float) * (size_t)num_heads * (size_t)hd);                            \
     float *acc = malloc(sizeof(float) * (size_t)num_heads * (size_t)hd);                           \
     float *sums = malloc(sizeof(float) * (size_t)num_heads);                                       \
@@ -198,7 +198,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         /* Softmax weights, unnormalized; each head's sum divides once at the end. */              \
         for (int h = h0; h < h1; h++) {                                                            \
             float *sh = scores + (int64_t)h * max_seq_len;                                         \
-            const float sum = softmax_unnormalized(sh, seq_len);                                  \
+            const float sum = softmax_unnormalized(sh, seq_len);                                   \
             sums[h] = sum;                                                                         \
         }                                                                                          \
         /* Pass 2: out = sum_t p_t v_t, V streamed the same way as K. */                           \
@@ -291,7 +291,7 @@ static inline __m512 vsum(const __m512 *v) {
  * the outputs of up to HEADS_PER_PASS of its query heads stay in registers (4 x head_dim / 16
  * of the 32: independent sums, so the FMAs do not wait on each other). */
 #define HEADS_PER_PASS 4
-#define DECODE_PASS2(C, VLOAD, HEAD_DIM)                                                          \
+#define DECODE_PASS2(C, VLOAD, HEAD_DIM)                                                           \
     for (int g = g0; g < g1; g++)                                                                  \
         for (int h0 = g * group; h0 < (g + 1) * group; h0 += HEADS_PER_PASS) {                     \
             const int left = (g + 1) * group - h0;                                                 \
@@ -360,7 +360,7 @@ static inline __m256 vsum(const __m256 *v) {
  * AVX-512 way, a few chunks at a time) took 7.4-8.8 ms where this takes 6.2-6.5 (128 decodes
  * over 400 tokens, fp32 cache from DRAM): the outputs accumulate in L1 instead, while each row of
  * V is read once, in order, converted once per kv head. */
-#define DECODE_PASS2(C, VLOAD, HEAD_DIM)                                                          \
+#define DECODE_PASS2(C, VLOAD, HEAD_DIM)                                                           \
     for (int j = g0 * group * hd; j < g1 * group * hd; j++) acc[j] = 0.0f;                         \
     for (int t0 = 0; t0 < seq_len; t0 += block_size) {                                             \
         const C *v = v_cache + (int64_t)blocks[t0 / block_size] * block_size * stride_slot;        \
@@ -382,7 +382,7 @@ static inline __m256 vsum(const __m256 *v) {
 #if defined(VEC)
 
 #define DEFINE_DECODE_SIMD(NAME, T, LOAD_Q, C, VLOAD, HEAD_DIM)                                    \
-static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {        \
+static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {                \
     const T *q = a->q;                                                                             \
     const C *k_cache = a->k_cache, *v_cache = a->v_cache;                                          \
     const int num_heads = (int)a->num_heads, num_kv = (int)a->num_kv_heads;                        \
@@ -390,10 +390,10 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int group = num_heads / num_kv;                                                          \
     const int64_t stride_slot = (int64_t)num_kv * hd;                                              \
     const int64_t row_bytes = stride_slot * (int64_t)sizeof(C);                                    \
-    const float unit = sizeof(C) == 1 ? E4M3_UNIT : 1.0f; /* fp8: what VLOAD divided by */     \
+    const float unit = sizeof(C) == 1 ? E4M3_UNIT : 1.0f; /* fp8: what VLOAD divided by */         \
     const float q_scale = a->scale * a->k_scale * unit;                                            \
     const int max_seq_len = longest_context(a);                                                    \
-    /* Per thread: scores [num_heads][padded length], q, each head's CHUNK partial dots and */ \
+    /* Per thread: scores [num_heads][padded length], q, each head's CHUNK partial dots and */     \
     /* its outputs. */                                                                             \
     const int64_t stride_s = (max_seq_len + CHUNK - 1) / CHUNK * CHUNK + CHUNK;                    \
     float *scores = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * stride_s));             \
@@ -401,13 +401,13 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     VEC *part = aligned_alloc(64, sizeof(VEC) * (size_t)(num_heads * CHUNK));                      \
     float *acc = aligned_alloc(64, sizeof(float) * (size_t)(num_heads * hd));                      \
     for (struct decode_item it = first_item(a, num_threads);                                       \
-         next_item(a, tid, num_threads, &it);) {                                                  \
+         next_item(a, tid, num_threads, &it);) {                                                   \
         const int seq_len = it.seq_len, g0 = it.g_begin, g1 = it.g_end;                            \
         const int32_t *blocks = a->block_table + it.req * a->stride_bt;                            \
         const int64_t row = it.row;                                                                \
         for (int j = g0 * group * hd; j < g1 * group * hd; j++)                                    \
             qf[j] = LOAD_Q(q + row * a->stride_q + j) * q_scale;                                   \
-        /* Pass 1: scores of CHUNK tokens at a time (positions of a block: no division). */      \
+        /* Pass 1: scores of CHUNK tokens at a time (positions of a block: no division). */        \
         for (int t0 = 0; t0 < seq_len; t0 += CHUNK) {                                              \
             const int n = seq_len - t0 < CHUNK ? seq_len - t0 : CHUNK;                             \
             for (int i = 0; i < n; i++) {                                                          \
@@ -436,7 +436,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
         float inv[num_heads];                                                                      \
         for (int h = g0 * group; h < g1 * group; h++) {                                            \
             float *sh = scores + h * stride_s;                                                     \
-            const float sum = softmax_unnormalized(sh, seq_len);                                  \
+            const float sum = softmax_unnormalized(sh, seq_len);                                   \
             inv[h] = seq_len > 0 ? a->v_scale * unit / sum : 0.0f;                                 \
         }                                                                                          \
         DECODE_PASS2(C, VLOAD, HEAD_DIM)                                                           \
@@ -551,8 +551,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int block_size = (int)a->block_size, shift = __builtin_ctz((unsigned)block_size);        \
     const int hd = HEAD_DIM, nc = HEAD_DIM / 32, group = num_heads / num_kv;                       \
     const int64_t stride_slot = (int64_t)num_kv * hd, head_bytes = hd * (int64_t)sizeof(C);        \
-    /* fp8: the query and the weights are cache_operand()s; the rows' unit is undone here */      \
-    const float unit = sizeof(C) == 1 ? 1.0f / (E4M3_BF16_UNIT * E4M3_OPERAND_SCALE) : 1.0f;       \
+    const float unit = cache_operand_unit(sizeof(C));                                              \
     const __m512 score_scale = _mm512_set1_ps(a->scale * a->k_scale * unit);                       \
     /* Where the stores find output dimensions 0-15 and 16-31 of 32 in o[2c] (0-15) and */         \
     /* o[2c + 1] (16-31): see pass 2. */                                                           \
@@ -568,14 +567,14 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     uint16_t *weights = aligned_alloc(64, sizeof(uint16_t) * (size_t)(num_heads * stride_s));      \
     __m512i *qv = aligned_alloc(64, sizeof(__m512i) * (size_t)(num_heads * nc * 4));               \
     for (struct decode_item it = first_item(a, num_threads);                                       \
-         next_item(a, tid, num_threads, &it);) {                                                  \
+         next_item(a, tid, num_threads, &it);) {                                                   \
         const int seq_len = it.seq_len, g0 = it.g_begin, g1 = it.g_end;                            \
         const int32_t *blocks = a->block_table + it.req * a->stride_bt;                            \
         const uint16_t *qr = q + it.row * a->stride_q;                                             \
         for (int h = g0 * group; h < g1 * group; h++)                                              \
             for (int c = 0; c < nc; c++)                                                           \
                 for (int j = 0; j < 4; j++)                                                        \
-                    qv[(h * nc + c) * 4 + j] =                                                 \
+                    qv[(h * nc + c) * 4 + j] =                                                     \
                         cache_operand_bf16(q_columns(qr + h * hd + c * 32, j), sizeof(C));         \
         /* Pass 1: scores of the tiles of 16 tokens; a short last tile repeats its last row. */    \
         for (int t0 = 0; t0 < seq_len; t0 += 16) {                                                 \
@@ -653,12 +652,12 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
             }                                                                                      \
             inv[h] = seq_len > 0 ? a->v_scale * unit / _mm512_reduce_add_ps(sum) : 0.0f;           \
         }                                                                                          \
-        /* This thread's next item: its K (NEXT_ROWS) is asked for a few rows at each of pass */  \
+        /* This thread's next item: its K (NEXT_ROWS) is asked for a few rows at each of pass */   \
         /* 2's blocks. Pass 1 asks DRAM for this item's V, pass 2 (which reads V from L2) for */   \
         /* the next one's K, so both passes keep misses in flight; with the next item's first */   \
         /* two tiles alone, pass 2 left DRAM idle (measured: see NEXT_ROWS). */                    \
         struct decode_item next = it;                                                              \
-        const int next_max = next_item(a, tid, num_threads, &next) == 0 ? 0                 \
+        const int next_max = next_item(a, tid, num_threads, &next) == 0 ? 0                        \
                              : next.req == it.req ? AHEAD : NEXT_ROWS(C);                          \
         const int next_rows = next.seq_len < next_max ? next.seq_len : next_max;                   \
         const int32_t *next_blocks = a->block_table + next.req * a->stride_bt;                     \

@@ -217,8 +217,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
     const int hd = HEAD_DIM, np = HEAD_DIM / 2, group = num_heads / num_kv;                        \
     const int64_t stride_slot = (int64_t)num_kv * hd;                                              \
     const int bs_shift = __builtin_ctz((unsigned)a->block_size);                                   \
-    /* fp8: the query and the weights are cache_operand()s; the rows' unit is undone here */      \
-    const float unit = sizeof(C) == 1 ? 1.0f / (E4M3_BF16_UNIT * E4M3_OPERAND_SCALE) : 1.0f;       \
+    const float unit = cache_operand_unit(sizeof(C));                                              \
     const __m512 score_scale = _mm512_set1_ps(a->scale * a->k_scale * unit);                       \
     /* Per thread: the item's query pairs transposed, qt[head][pair] (16 rows each), its */     \
     /* outputs ot[head][e] (dimension order of the V pairs), the tile's keys as bf16 and */      \
