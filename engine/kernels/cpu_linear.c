@@ -43,7 +43,7 @@
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define KVRAIL_AMX 1
 #endif
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #define KVRAIL_AMX_BF16 1
 #endif
 
@@ -776,71 +776,59 @@ struct kvrail_float_linear_args {
 };
 
 #ifdef KVRAIL_AMX_BF16
-/* bf16 with AMX-BF16, for 7..16 tokens: W is the A operand as it lies (a tile is 16 weight
+/* bf16 with AMX-BF16, for 1..16 tokens: W is the A operand as it lies (a tile is 16 weight
  * rows x 32 k, rows K apart), x the B operand (32 k x M tokens, pairs of k per 32-bit lane,
  * packed per thread, a few KiB), so one tdpbf16ps adds 16 x M x 32 products and the sums are
- * 16 outputs x M tokens. Each pass holds 4 such sums (64 output columns, or 2 x 16 gate and
- * their up columns) over one B tile; the weights stream once per call, the next pass's rows
- * prefetched. The vector kernel above does one vdpbf16ps per token and 32 weights, so its
- * time grows with M. On 2 vCPUs of an AMX Xeon, SmolLM2-135M's linears
- * (`benchmarks.linear_kernels`, two runs each, a shared and noisy machine), time against
- * M = 1 in the same run, vector kernel -> tiles: M = 3 1.54 / 1.33 -> 0.85 / 1.21, M = 4
- * 1.79 / 1.53 -> 0.96 / 1.16, M = 8 3.0 / 2.7 -> 1.46 / 1.05, M = 16 5.9 / 5.1 -> 1.9 / 1.7;
- * M = 2 about even (1.24 / 1.27 -> 1.35 / 1.12).
- * Up to 6 tokens (one vector tile of rows) stay on the vector kernel all the same: each of its
- * rows is summed by the same instructions in the same order as a single token's, where the
- * tile unit's sums round differently, so a speculative verify step of up to 5 drafts scores
- * every position bit for bit as a decode step would, and greedy speculation in bf16 changes no
- * token (`tests/engine/test_spec_decode.py`). It costs little where the weights stream from
- * memory: a verify step of 5 tokens of SmolLM2-135M in a CPU graph, 2 vCPUs of an AMX Xeon,
- * 15.4 ms on the tiles against 15.8 on the vector kernel (and its LM head 1.7 against 2.2). */
+ * 16 outputs x M tokens. Each pass holds 2 such sums (32 output columns, or 16 gate and their
+ * up columns) over one B tile, and the weights stream once per call. The vector kernel above
+ * does one vdpbf16ps per token and 32 weights, so its time grows with M. Every M takes the
+ * tiles, one token too, so that each output is the same sum of the same products whatever else
+ * the call holds: a speculative verify step scores every position bit for bit as its decode
+ * step would, and greedy speculation in bf16 changes no token (`tests/engine/test_spec_decode.py`);
+ * with the vector kernel for decode steps and the tiles for verify steps it would not (the two
+ * round differently), which is why up to 6 tokens had stayed on the vector kernel. On 2 vCPUs
+ * of an AMX Xeon, SmolLM2-135M's 121 linears (`python -m benchmarks.linear_kernels
+ * --num-tokens 1,2,5,8`, the two versions in turn, twice), vector kernel up to 6 rows -> tiles
+ * for all: M = 1 5.8-5.9 -> 5.7-5.8 ms, M = 2 7.0-7.3 -> 6.1, M = 5 11.2-11.5 -> 6.3-6.5, M = 8
+ * 8.8 -> 6.4-6.6; a speculative verify step of 5 tokens 15.9 -> 14.2 ms against a plain
+ * step's 10.1-11.4 (`benchmarks.spec_decode`). Measured on the way, M = 1 and 5 on the tiles:
+ * without the prefetch of the next pass's rows (16 a k step, which held the core's fill
+ * buffers where its streaming prefetcher does better) 8.2 -> 6.4 and 8.9 -> 7.4 ms; 32 columns
+ * a pass instead of 64 (half the rows streaming at once) 6.4 -> 6.1 and 7.4 -> 7.0; then the
+ * outputs 16 columns a vector, gathered from the sums, instead of one at a time. */
 #define AMX_BF16_K 32     /* k per tile step: 32 bf16, one 64-byte tile row */
 #define AMX_BF16_MAX_M 16 /* tokens: the columns of one sum tile */
+#define AMX_BF16_PASS 32  /* output columns per pass: 2 sum tiles */
 
-/* Tiles 0-3: sums (16 weight rows x M tokens, fp32); 4, 5, 7: weight rows (16 x 32 bf16); 6:
- * x (16 pairs of k x M tokens). */
+/* Tiles 0-1: sums (16 weight rows x M tokens, fp32); 4-5: weight rows (16 x 32 bf16); 6: x
+ * (16 pairs of k x M tokens). */
 static void amx_bf16_load_config(int M) {
     struct amx_tile_config config = {.palette_id = 1};
     for (int t = 0; t < 8; t++) {
         config.rows[t] = 16;
-        config.colsb[t] = t < 4 || t == 6 ? 4 * M : 64;
+        config.colsb[t] = t < 2 || t == 6 ? 4 * M : 64;
     }
     _tile_loadconfig(&config);
 }
 
-/* sums[j][r][m] (row stride 16 floats) = x[m] . w_rows[j][r] for j < nb (1..4) 16-row blocks
- * whose first rows are w_rows[j]; the blocks `ahead` rows further are prefetched. */
+/* sums[j][r][m] (row stride 16 floats) = x[m] . w_rows[j][r] for j < nb (1 or 2) 16-row
+ * blocks whose first rows are w_rows[j]. */
 static void amx_bf16_pass(const uint32_t *xp, int M, const uint16_t *const *w_rows, int nb,
-                          int64_t K, int64_t ahead, float *sums) {
+                          int64_t K, float *sums) {
     const int64_t stride_w = K * (int64_t)sizeof(uint16_t);
     _tile_zero(0);
     _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
     for (int64_t k = 0; k < K; k += AMX_BF16_K) {
         _tile_loadd(6, xp + k / 2 * M, 4 * M);
-        for (int j = 0; j < nb; j++)
-            for (int r = 0; r < 16; r++)
-                _mm_prefetch((const char *)(w_rows[j] + (ahead + r) * K + k), _MM_HINT_T0);
         _tile_loadd(4, w_rows[0] + k, stride_w);
         _tile_dpbf16ps(0, 4, 6);
         if (nb > 1) {
             _tile_loadd(5, w_rows[1] + k, stride_w);
             _tile_dpbf16ps(1, 5, 6);
         }
-        if (nb > 2) {
-            _tile_loadd(7, w_rows[2] + k, stride_w);
-            _tile_dpbf16ps(2, 7, 6);
-        }
-        if (nb > 3) {
-            _tile_loadd(4, w_rows[3] + k, stride_w);
-            _tile_dpbf16ps(3, 4, 6);
-        }
     }
     _tile_stored(0, sums, 64);
     if (nb > 1) _tile_stored(1, sums + 256, 64);
-    if (nb > 2) _tile_stored(2, sums + 512, 64);
-    if (nb > 3) _tile_stored(3, sums + 768, 64);
 }
 
 /* Output columns [begin, end) (multiples of 16) of kvrail_linear_float on the tile unit. */
@@ -854,32 +842,29 @@ static void float_linear_amx_bf16(const struct kvrail_float_linear_args *a, int6
     for (int64_t k2 = 0; k2 < K / 2; k2++)
         for (int m = 0; m < M; m++) memcpy(xp + k2 * M + m, x + m * a->stride_x + 2 * k2, 4);
     amx_bf16_load_config(M);
-    const int64_t step = a->silu_mul ? 32 : 64; /* output columns per pass */
-    float sums[4 * 16 * 16] __attribute__((aligned(64)));
+    /* column c of token m is sums[c / 16][c % 16][m]: a stride of 16 floats */
+    const __m512i column = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(16));
+    const int64_t step = a->silu_mul ? AMX_BF16_PASS / 2 : AMX_BF16_PASS;
+    float sums[2 * 16 * 16] __attribute__((aligned(64)));
     for (int64_t n0 = begin; n0 < end; n0 += step) {
-        const int width = end - n0 < step ? (int)(end - n0) : (int)step; /* a multiple of 16 */
-        const uint16_t *w_rows[4];
-        int nb = width / 16;
-        for (int j = 0; j < nb; j++) w_rows[j] = w + (n0 + 16 * j) * K;
-        if (a->silu_mul) { /* blocks nb.. are the up rows of blocks 0.. */
-            for (int j = 0; j < nb; j++) w_rows[nb + j] = w + (N + n0 + 16 * j) * K;
-            nb *= 2;
-        }
-        amx_bf16_pass(xp, M, w_rows, nb, K, step, sums);
-        for (int c = 0; c < width; c++) {
-            const float *col = sums + (c / 16) * 256 + (c % 16) * 16;
-            const float *up = col + width / 16 * 256;
-            const int64_t n = n0 + c;
+        const int nb_out = end - n0 < step ? 1 : (int)(step / 16); /* end - n0: a multiple of 16 */
+        const uint16_t *w_rows[2] = {w + n0 * K, w + (n0 + 16) * K};
+        if (a->silu_mul) w_rows[1] = w + (N + n0) * K; /* the up rows of the gate block */
+        amx_bf16_pass(xp, M, w_rows, a->silu_mul ? 2 : nb_out, K, sums);
+        for (int j = 0; j < nb_out; j++) {
+            const int64_t n = n0 + 16 * j;
+            const __m512 bias = a->bias ? _mm512_loadu_ps(a->bias + n) : _mm512_setzero_ps();
+            const __m512 up_bias =
+                a->bias && a->silu_mul ? _mm512_loadu_ps(a->bias + N + n) : _mm512_setzero_ps();
             for (int m = 0; m < M; m++) {
-                float y = col[m];
-                if (a->silu_mul) {
-                    float u = up[m];
-                    if (a->bias) y += a->bias[n], u += a->bias[N + n];
-                    y = silu(y) * u;
-                } else if (a->bias) {
-                    y += a->bias[n];
-                }
-                store_float(a->out, KVRAIL_BF16, m * a->stride_out + n, y);
+                __m512 y = _mm512_add_ps(_mm512_i32gather_ps(column, sums + j * 256 + m, 4), bias);
+                if (a->silu_mul)
+                    y = silu_mul16(y, _mm512_add_ps(
+                                          _mm512_i32gather_ps(column, sums + 256 + m, 4), up_bias));
+                _mm256_storeu_si256((__m256i *)((uint16_t *)a->out + m * a->stride_out + n),
+                                    (__m256i)_mm512_cvtneps_pbh(y));
             }
         }
     }
@@ -895,8 +880,7 @@ void kvrail_linear_float(const struct kvrail_float_linear_args *a, int tid, int 
     const int64_t esize = dtype_size(a->dtype);
     int64_t begin, end;
 #ifdef KVRAIL_AMX_BF16
-    if (a->dtype == KVRAIL_BF16 && M > BF16_DOT_ROWS && M <= AMX_BF16_MAX_M && K % AMX_BF16_K == 0
-        && amx_usable()) {
+    if (a->dtype == KVRAIL_BF16 && M <= AMX_BF16_MAX_M && K % AMX_BF16_K == 0 && amx_usable()) {
         thread_range(N, 16, tid, num_threads, &begin, &end);
         const int64_t tiled_end = begin + (end - begin) / 16 * 16;
         float_linear_amx_bf16(a, begin, tiled_end);
