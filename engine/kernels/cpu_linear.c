@@ -447,14 +447,25 @@ struct amx_tile_config {
 #define AMX_TILE_ROWS 16 /* tokens per A tile */
 #define AMX_ROWS 32      /* rows per AMX block: two A tiles; a last block may hold one */
 #define AMX_K 64    /* k per tile step: one 64-byte tile row */
+/* Steps of this many tokens and more take the tiles. A 16-row block holds 16 x 64 bytes of
+ * activations; a last block of fewer rows gets tiles of that many (tdpbusd's cost follows the
+ * rows). On 2 vCPUs of an AMX Xeon, SmolLM2-135M's 121 linears (`python -m
+ * benchmarks.linear_kernels --num-tokens 1,2,3,4,5,6,8,16,24,130`, the two builds in turn,
+ * twice), vector path -> tiles for the rows that were left to it: M = 4 4.5-4.7 -> 4.4 ms,
+ * M = 5 5.3-5.4 -> 4.4-4.8, M = 6 4.8-4.9 -> 4.4, M = 8 5.3-5.6 -> 4.6-4.8, M = 24 6.7-7.1 ->
+ * 6.5, M = 130 17.6-23 -> 16.0-16.8 (the last rows now use each pair's weights while they are
+ * in L1, where the vector path streamed them all again); M = 1-3 are as fast or faster on the
+ * vector path (M = 1 3.7-3.8 against 4.2-4.4, M = 2 3.9-4.1 against 4.1-4.4). */
+#define AMX_MIN_ROWS 4
 #define AMX_M_BLOCK 256 /* rows whose activations stay in L2 while every panel passes */
 
 /* Tiles 0-3: sums for (row half, panel); 4-5: A of each row half; 6-7: B of each panel.
- * Every tile is 16 rows of 64 bytes. */
-static void amx_load_config(void) {
+ * Every tile is rows of 64 bytes: the sums and A tiles `rows` (16, or fewer for a last block),
+ * the B tiles 16 (64 k). */
+static void amx_load_config(int rows) {
     struct amx_tile_config config = {.palette_id = 1};
     for (int t = 0; t < 8; t++) {
-        config.rows[t] = 16;
+        config.rows[t] = t < 6 ? rows : 16;
         config.colsb[t] = 64;
     }
     _tile_loadconfig(&config);
@@ -530,33 +541,31 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
     /* gate/up pairs stay in one thread's range */
     thread_range(a->num_panels, a->silu_mul ? 2 : 1, tid, num_threads, &begin, &end);
 #ifdef KVRAIL_AMX
-    /* Tiles from 16 rows up. On 2 vCPUs of an AMX Xeon, the model's two MLP shapes (fastest
-     * of 40 runs) against the vector path: M = 64 0.10 -> 0.06 ms, M = 256 0.36 -> 0.18 ms;
-     * the whole model's linears: benchmarks/results/linear_kernels-amx.md. */
-    const int64_t amx_rows = M >= AMX_TILE_ROWS && k_padded % AMX_K == 0 && amx_usable()
-                                 ? M / AMX_TILE_ROWS * AMX_TILE_ROWS
-                                 : 0;
-    if (amx_rows) amx_load_config();
-#endif
-#ifdef KVRAIL_AMX
+    /* Tiles from AMX_MIN_ROWS rows up: blocks of 32 and 16 rows, then the last M % 16 in tiles
+     * of that many rows (integer sums are exact on either unit: the same outputs). */
+    const int64_t amx_rows = M >= AMX_MIN_ROWS && k_padded % AMX_K == 0 && amx_usable() ? M : 0;
     /* Blocks of AMX_M_BLOCK rows, each over all of the thread's panels, a pair at a time:
      * the block's activations stay in L2 while each pair's weights sit in L1 for all its rows,
      * and the block's outputs are written row by row across the thread's columns. */
     for (int64_t m0 = 0; m0 < amx_rows; m0 += AMX_M_BLOCK) {
         const int64_t m1 = m0 + AMX_M_BLOCK < amx_rows ? m0 + AMX_M_BLOCK : amx_rows;
+        const int64_t full_end = m0 + (m1 - m0) / AMX_TILE_ROWS * AMX_TILE_ROWS;
+        int rows = 0; /* the tiles' configured rows */
         /* pairs of panels: with silu_mul, a (gate, up) pair, as the range starts even */
         for (int64_t p = begin; p < end; p += 2) {
             const int nt = end - p < 2 ? (int)(end - p) : 2;
             for (int64_t m = m0; m < m1;) {
+                const int tile_rows = m < full_end ? AMX_TILE_ROWS : (int)(m1 - m);
                 const int mt = m1 - m < AMX_ROWS ? 1 : 2;
+                if (tile_rows != rows) amx_load_config(rows = tile_rows);
                 int32_t acc[AMX_ROWS * MAX_NT * PANEL] __attribute__((aligned(64)));
                 w8a8_amx_block(a->x_q + m * k_padded, k_padded, a->w_packed + p * panel_bytes,
                                panel_bytes, k_padded, mt, nt, acc);
-                w8a8_epilogue(acc, mt * AMX_TILE_ROWS, nt, p, a->out_features, a->x_scale + m,
+                w8a8_epilogue(acc, mt * tile_rows, nt, p, a->out_features, a->x_scale + m,
                               a->w_scale, a->w_comp, a->bias, (int)a->silu_mul,
                               (char *)a->out + m * a->stride_out * out_size, (int)a->out_dtype,
                               a->stride_out);
-                m += mt * AMX_TILE_ROWS;
+                m += mt * tile_rows;
             }
         }
     }

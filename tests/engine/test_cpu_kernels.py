@@ -111,9 +111,10 @@ def test_w8a8_matches_its_reference(dtype, m, n, k, silu_mul, has_bias):
 
 @pytest.mark.parametrize("silu_mul", [False, True])
 def test_w8a8_rows_do_not_depend_on_the_batch(silu_mul):
-    """Integer sums are exact on every path (AMX blocks of 32 and 16 rows where the CPU has
-    AMX, vector tiles of up to 6 rows, the tail) and all share one epilogue, so a row
-    computed in a batch of 308 equals the same row computed alone, bit for bit."""
+    """Integer sums are exact on every path (where the CPU has AMX, blocks of 32 and 16 rows
+    and a last one of fewer; vector tiles of up to 6 rows, the tail) and all share one
+    epilogue, so a row computed in a batch of 308 equals the same row computed alone, bit for
+    bit."""
     x, w, bias = _int8_inputs(308, 100, 136, torch.bfloat16)  # 9 x 32 + 16 + 4 rows
     w_q, w_scale = quantize_rows_int8(w)
     packed = cpu_linear.pack_int8(w_q, w_scale, bias, silu_mul)
