@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with torch.inference_mode(), set_forward_context(metadata), capture() as graph:
                     layer(hidden, residual, rope)
-            except RuntimeError:  # unquantized above CPU_FLOAT_KERNEL_MAX_TOKENS: torch's mm
+            except RuntimeError:  # unquantized above cpu_float_kernel_max_tokens: torch's mm
                 continue
             results.setdefault("kvrail C graph", {})[batch] = timed(graph.replay, args.seconds)
         del llm
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Layer 0 of the model, default dtype; each request has {args.context} cached tokens."
         f" ms per layer call (speed-up over torch eager); {torch.get_num_threads()} threads."
         f" kvrail C rows: weights {args.quantization or 'unquantized'} (n/a: a graph records C"
-        " kernels only, and unquantized steps of more than CPU_FLOAT_KERNEL_MAX_TOKENS tokens"
+        " kernels only, and unquantized steps of more than cpu_float_kernel_max_tokens tokens"
         " use torch's matmul).",
         "",
         markdown_table(["", *(f"batch {b}" for b in args.batch_sizes)], rows),

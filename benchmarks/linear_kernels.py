@@ -1,6 +1,6 @@
 """The CPU's linear layers side by side: torch's matmul, kvrail's C float and C W8A8 kernels.
 
-Unquantized steps of at most `engine.models.layers.CPU_FLOAT_KERNEL_MAX_TOKENS` tokens run the
+Unquantized steps of at most `engine.models.layers.cpu_float_kernel_max_tokens` tokens run the
 C float kernel (and can then be recorded into a CPU graph); larger ones run torch's matmul
 (oneDNN). `quantization="int8"` runs the C W8A8 kernel at every size. This times one forward
 pass's worth of the model's linear layers (the engine's fused shapes: qkv, o, gate_up, down

@@ -55,9 +55,8 @@ class QuantizedLinearMethod(LinearMethod):
     def __init__(
         self, kernels: ModelKernels | None, device: torch.device, dtype: torch.dtype
     ) -> None:
-        super().__init__(kernels)
+        super().__init__(kernels, dtype)
         self.device = device
-        self.dtype = dtype  # of the activations
 
     def quantize_rows(self, weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -99,7 +98,10 @@ class Int8LinearMethod(QuantizedLinearMethod):
 
     name = "int8"
     weight_dtype = torch.int8
-    cpu_graph_max_tokens = 1 << 30  # the C kernel serves every batch size
+
+    @property
+    def cpu_graph_max_tokens(self) -> int:
+        return 1 << 30  # the C kernel serves every batch size
 
     def quantize_rows(self, weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_rows_int8(weight)
@@ -174,7 +176,7 @@ def get_linear_method(
     """The method for `EngineConfig.quantization`; raises ValueError, at startup, where it
     cannot run."""
     if quantization is None:
-        return LinearMethod(kernels)
+        return LinearMethod(kernels, dtype)
     if quantization == "int8":
         return Int8LinearMethod(kernels, device, dtype)
     from engine.kernels.fp8_linear import fp8_supported

@@ -22,12 +22,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Steps of at most this many tokens use the C float kernel for unquantized linear layers on
-# the CPU (so that a decode graph can record them); larger ones use torch's matmul (oneDNN),
-# which reaches the compute peak there. Measured on a 2-vCPU AVX2 EPYC in fp32, the 121
-# linear layers of a SmolLM2-135M pass (`python -m benchmarks.linear_kernels`), C / oneDNN:
-# 0.76 at M = 1, 0.52 at 2, 0.72 at 4, 1.29 at 8, 1.95 at 16, 2.48 at 32.
-CPU_FLOAT_KERNEL_MAX_TOKENS = 8
+
+def cpu_float_kernel_max_tokens(dtype: torch.dtype) -> int:
+    """Steps of at most this many tokens use the C float kernel for unquantized linear layers
+    on the CPU (so that a decode graph can record them); larger ones use torch's matmul
+    (oneDNN), which reaches the compute peak there. Measured on a 2-vCPU AVX2 EPYC in fp32, the
+    121 linear layers of a SmolLM2-135M pass (`python -m benchmarks.linear_kernels`), C /
+    oneDNN: 0.76 at M = 1, 0.52 at 2, 0.72 at 4, 1.29 at 8, 1.95 at 16, 2.48 at 32. In bf16 on
+    a CPU with AMX-BF16 the kernel multiplies up to 16 tokens on the tile unit in about one
+    token's time (`cpu_linear.c`): on 2 vCPUs of an AMX Xeon, 6.4-6.6 ms at M = 8 and 16 where
+    oneDNN took 13-13.6."""
+    from engine.kernels.cpu_build import cpu_flags
+
+    return 16 if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags() else 8
 
 
 @dataclass(frozen=True)
@@ -64,12 +71,17 @@ class LinearMethod:
     name = "unquantized"
     # The dtype the checkpoint is loaded in (None: the model's dtype).
     load_dtype: torch.dtype | None = None
-    # Steps of at most this many tokens run only C kernels on the CPU (a CPU graph can record
-    # them); above it, torch's matmul.
-    cpu_graph_max_tokens = CPU_FLOAT_KERNEL_MAX_TOKENS
 
-    def __init__(self, kernels: ModelKernels | None) -> None:
+    def __init__(self, kernels: ModelKernels | None, dtype: torch.dtype) -> None:
         self.kernels = kernels
+        self.dtype = dtype  # of the activations
+        self.cpu_float_max_tokens = cpu_float_kernel_max_tokens(dtype)
+
+    @property
+    def cpu_graph_max_tokens(self) -> int:
+        """Steps of at most this many tokens run only C kernels on the CPU (a CPU graph can
+        record them); above it, torch's matmul."""
+        return self.cpu_float_max_tokens
 
     def process_weights(self, layer: Linear) -> None:
         """Called once the checkpoint is loaded: bring the weight into its runtime form."""
@@ -81,7 +93,7 @@ class LinearMethod:
         if (
             self.kernels is not None
             and self.kernels.name == "cpu"
-            and x.shape[0] <= CPU_FLOAT_KERNEL_MAX_TOKENS
+            and x.shape[0] <= self.cpu_float_max_tokens
         ):
             from engine.kernels.cpu_linear import linear_float
 

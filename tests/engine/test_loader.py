@@ -39,7 +39,7 @@ def test_smollm2_logits_match_hf(smollm2_path, caplog):
             torch.float32,
             torch.device("cpu"),
             get_attn_backend("torch"),
-            LinearMethod(None),
+            LinearMethod(None, torch.float32),
         )
     assert "LlamaForCausalLM" in caplog.text and "134.5M params" in caplog.text
     assert config.num_hidden_layers == 30 and config.num_key_value_heads == 3

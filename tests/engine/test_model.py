@@ -33,7 +33,11 @@ def test_logits_match_hf(tmp_path, case):
     arch, overrides = CASES[case]
     model_dir = make_tiny_model(tmp_path / case, arch, **overrides)
     model, config = load_model(
-        model_dir, torch.float32, torch.device("cpu"), get_attn_backend("torch"), LinearMethod(None)
+        model_dir,
+        torch.float32,
+        torch.device("cpu"),
+        get_attn_backend("torch"),
+        LinearMethod(None, torch.float32),
     )
     gen = torch.Generator().manual_seed(1)
     token_ids = [
@@ -58,7 +62,11 @@ def test_logits_match_hf(tmp_path, case):
 def test_fused_weights_and_tying(tmp_path):
     model_dir = make_tiny_model(tmp_path / "qwen2", "qwen2")
     model, _ = load_model(
-        model_dir, torch.float32, torch.device("cpu"), get_attn_backend("torch"), LinearMethod(None)
+        model_dir,
+        torch.float32,
+        torch.device("cpu"),
+        get_attn_backend("torch"),
+        LinearMethod(None, torch.float32),
     )
     weights = load_file(model_dir / "model.safetensors")
     attn = model.model.layers[1].self_attn
@@ -75,7 +83,11 @@ def test_fused_weights_and_tying(tmp_path):
 def test_load_weights_rejects_missing_and_unexpected(tmp_path):
     model_dir = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=2)
     model, _ = load_model(
-        model_dir, torch.float32, torch.device("cpu"), get_attn_backend("torch"), LinearMethod(None)
+        model_dir,
+        torch.float32,
+        torch.device("cpu"),
+        get_attn_backend("torch"),
+        LinearMethod(None, torch.float32),
     )
     weights = load_file(model_dir / "model.safetensors")
     partial = {k: v for k, v in weights.items() if "layers.1.mlp.up_proj" not in k}
