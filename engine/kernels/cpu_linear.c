@@ -782,6 +782,7 @@ struct kvrail_float_linear_args {
     int64_t dtype, num_tokens, in_features, stride_x;
     int64_t silu_mul;   /* rows are [gate; up]: out = silu(x gate^T) * (x up^T) */
     int64_t out_features, stride_out;
+    int64_t out_dtype;  /* out's: x's, or float32 (the sums as they are) */
 };
 
 #ifdef KVRAIL_AMX_BF16
@@ -872,8 +873,11 @@ static void float_linear_amx_bf16(const struct kvrail_float_linear_args *a, int6
                 if (a->silu_mul)
                     y = silu_mul16(y, _mm512_add_ps(
                                           _mm512_i32gather_ps(column, sums + 256 + m, 4), up_bias));
-                _mm256_storeu_si256((__m256i *)((uint16_t *)a->out + m * a->stride_out + n),
-                                    (__m256i)_mm512_cvtneps_pbh(y));
+                if (a->out_dtype == KVRAIL_F32)
+                    _mm512_storeu_ps((float *)a->out + m * a->stride_out + n, y);
+                else
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)a->out + m * a->stride_out + n),
+                                        (__m256i)_mm512_cvtneps_pbh(y));
             }
         }
     }
@@ -929,7 +933,7 @@ void kvrail_linear_float(const struct kvrail_float_linear_args *a, int tid, int 
                     } else if (a->bias) {
                         y += a->bias[n0 + j];
                     }
-                    store_float(a->out, (int)a->dtype, (m0 + i) * a->stride_out + n0 + j, y);
+                    store_float(a->out, (int)a->out_dtype, (m0 + i) * a->stride_out + n0 + j, y);
                 }
         }
     }

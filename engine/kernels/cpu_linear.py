@@ -66,6 +66,7 @@ class FloatLinearArgs(ctypes.Structure):  # struct kvrail_float_linear_args
                 "silu_mul",
                 "out_features",
                 "stride_out",
+                "out_dtype",
             )
         ],
     ]
@@ -181,9 +182,14 @@ def linear_w8a8(x: torch.Tensor, weight: PackedInt8Weight) -> torch.Tensor:
 
 
 def linear_float(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    silu_mul: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x `[M, K]` @ weight `[N_w, K]`^T (+ bias `[N_w]` float32), in x's dtype (== weight's).
+    """x `[M, K]` @ weight `[N_w, K]`^T (+ bias `[N_w]` float32), in `out_dtype`: x's (== weight's,
+    None) or float32, the sums unrounded.
 
     With `silu_mul` the rows of weight (and bias) are [gate; up] and the result `[M, N_w / 2]`
     is silu(gate) * up."""
@@ -192,8 +198,11 @@ def linear_float(
         raise ValueError("weight must be contiguous and of x's dtype")
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         raise ValueError("bias must be a contiguous float32 tensor")
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"out_dtype must be x's dtype or float32, got {out_dtype}")
     num_rows, in_features = weight.shape
-    out = empty((x.shape[0], num_rows // 2 if silu_mul else num_rows), x.dtype)
+    out = empty((x.shape[0], num_rows // 2 if silu_mul else num_rows), out_dtype)
     if x.shape[0]:
         args = FloatLinearArgs(
             x=x.data_ptr(),
@@ -207,6 +216,7 @@ def linear_float(
             silu_mul=silu_mul,
             out_features=out.shape[1],
             stride_out=out.stride(0),
+            out_dtype=dtype_code(out_dtype),
         )
         launch("kvrail_linear_float", args, x, out)
     return out

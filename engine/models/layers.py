@@ -97,7 +97,13 @@ class LinearMethod:
         ):
             from engine.kernels.cpu_linear import linear_float
 
-            return linear_float(x, layer.weight, layer.bias_f32, layer.activation == "silu_and_mul")
+            return linear_float(
+                x,
+                layer.weight,
+                layer.bias_f32,
+                layer.activation == "silu_and_mul",
+                torch.float32 if layer.fp32_out else None,
+            )
         return self.activate(layer, F.linear(x, layer.weight, layer.bias))
 
     def activate(self, layer: Linear, y: torch.Tensor) -> torch.Tensor:
@@ -119,6 +125,7 @@ class Linear(nn.Module):
         bias: bool,
         method: LinearMethod,
         activation: str | None = None,
+        fp32_out: bool = False,
     ) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -127,6 +134,12 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.method = method
         self.activation = activation
+        # The LM head: where the C float kernel multiplies, its fp32 sums come out unrounded.
+        # bf16 logits keep 8 bits (a step of 0.125 near 25), so the top two candidates often
+        # tie and the argmax takes the lower id: SmolLM2's answer to the README's first
+        # question began with "L" (25.369 in fp32) instead of "The" (25.421), both 25.375 in
+        # bf16, once small steps moved to the AMX tiles.
+        self.fp32_out = fp32_out
         dtype = method.load_dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None

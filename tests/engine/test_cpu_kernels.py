@@ -157,6 +157,10 @@ def test_float_kernel_matches_torch(dtype, m, n, k, silu_mul, has_bias):
         expected = silu_and_mul_ref(expected)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), expected, **tol)
+    # float32 out (the LM head's logits): the sums unrounded, where bf16 keeps 8 bits
+    out32 = cpu_linear.linear_float(x, w.to(dtype).contiguous(), bias, silu_mul, torch.float32)
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32, expected, atol=1e-4, rtol=1e-4 if silu_mul else 2e-5)
 
 
 def _at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
@@ -220,6 +224,8 @@ def test_linear_kernels_reject_what_they_cannot_read():
         cpu_linear.pack_int8(w_q[:3], w_scale[:3], None, True)
     with pytest.raises(ValueError, match="of x's dtype"):
         cpu_linear.linear_float(x, torch.randn(4, 8).bfloat16(), None)
+    with pytest.raises(ValueError, match="out_dtype"):
+        cpu_linear.linear_float(x, torch.randn(4, 8), None, out_dtype=torch.float16)
 
 
 def test_packing_keeps_gate_and_up_panels_together():
