@@ -18,6 +18,7 @@ import torch
 
 from engine.attention import AttentionBackend, CommonAttentionMetadata
 from engine.kernels import cpu_attention, cpu_runtime
+from engine.kernels.cpu_build import has_amx_bf16
 from engine.kernels.cpu_ops import write_kv_cache
 
 
@@ -43,7 +44,7 @@ class CpuAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
         cpu_runtime.library()  # build now: a missing compiler fails at startup
         # Fresh bf16 prompts through torch's SDPA (`cpu_attention.DENSE_PROMPT_MIN_LEN`).
-        self.dense_prompts = cpu_attention.dense_prompts_supported()
+        self.dense_prompts = has_amx_bf16()
 
     def build(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
         qsl = common.query_start_loc_cpu[: common.num_reqs + 1]

@@ -11,13 +11,11 @@ per layer for 48 sequences of 432 tokens on 2 AVX2 cores, against 3-4 ms in
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 import torch.nn.functional as F
 
 from engine.config import MAX_NUM_SPECULATIVE_TOKENS
-from engine.kernels.cpu_build import cpu_flags
 from engine.kernels.cpu_runtime import dtype_code, launch
 
 # q / out dtypes; the cache holds the same dtype or fp8 e4m3 (with scales)
@@ -39,12 +37,6 @@ MAX_DECODE_QUERY_LEN = 1 + MAX_NUM_SPECULATIVE_TOKENS
 # most, stay on the kernel. Elsewhere (an AVX512-BF16 EPYC: 39-60 GFLOP/s against the prompt
 # kernel's 64-86) the prompt kernel is the faster.
 DENSE_PROMPT_MIN_LEN = 64
-
-
-@functools.cache
-def dense_prompts_supported() -> bool:
-    """Whether this CPU has AMX-BF16, the tile unit torch's SDPA runs bf16 on."""
-    return "amx_bf16" in cpu_flags()
 
 
 def dense_prompt_attention(

@@ -37,6 +37,13 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpu_signature().partition(":")[2].split())
 
 
+@functools.cache
+def has_amx_bf16() -> bool:
+    """Whether this CPU has AMX-BF16: the tile unit torch's bf16 SDPA and the C float kernel's
+    small bf16 steps run on."""
+    return "amx_bf16" in cpu_flags()
+
+
 def _cpu_signature() -> str:
     """What `-march=native` depends on: a library built for another CPU may not run here."""
     try:

@@ -860,8 +860,8 @@ static void float_linear_amx_bf16(const struct kvrail_float_linear_args *a, int6
     float sums[2 * 16 * 16] __attribute__((aligned(64)));
     for (int64_t n0 = begin; n0 < end; n0 += step) {
         const int nb_out = end - n0 < step ? 1 : (int)(step / 16); /* end - n0: a multiple of 16 */
-        const uint16_t *w_rows[2] = {w + n0 * K, w + (n0 + 16) * K};
-        if (a->silu_mul) w_rows[1] = w + (N + n0) * K; /* the up rows of the gate block */
+        /* the second block: the next 16 rows, or with silu_mul the gate block's up rows */
+        const uint16_t *w_rows[2] = {w + n0 * K, w + (a->silu_mul ? N + n0 : n0 + 16) * K};
         amx_bf16_pass(xp, M, w_rows, a->silu_mul ? 2 : nb_out, K, sums);
         for (int j = 0; j < nb_out; j++) {
             const int64_t n = n0 + 16 * j;

@@ -32,9 +32,9 @@ def cpu_float_kernel_max_tokens(dtype: torch.dtype) -> int:
     a CPU with AMX-BF16 the kernel multiplies up to 16 tokens on the tile unit in about one
     token's time (`cpu_linear.c`): on 2 vCPUs of an AMX Xeon, 6.4-6.6 ms at M = 8 and 16 where
     oneDNN took 13-13.6."""
-    from engine.kernels.cpu_build import cpu_flags
+    from engine.kernels.cpu_build import has_amx_bf16
 
-    return 16 if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags() else 8
+    return 16 if dtype == torch.bfloat16 and has_amx_bf16() else 8
 
 
 @dataclass(frozen=True)
