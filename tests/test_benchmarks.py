@@ -260,6 +260,7 @@ def test_parse_range_and_verdict():
         "quality",
         "compile_layer",
         "spec_decode",
+        "spec_replay",
         "attention_kernels",
         "structured",
         "priority",
@@ -277,6 +278,21 @@ def test_help_exits_zero(script):
     )
     assert result.returncode == 0, result.stderr
     assert "usage" in result.stdout
+
+
+def test_spec_replay_counts_the_steps_prompt_lookup_takes():
+    from benchmarks.spec_replay import replay
+    from engine.spec_decode.ngram_proposer import NgramProposer
+
+    # After the prompt step (token 1): [1] occurred at index 1, so the drafts are [2, 3], both
+    # right, and the bonus is 9: one verify step. Then [3, 9] and [9] never occurred: a plain
+    # step writes the last 9.
+    counts = replay(NgramProposer(2, 1, 2).propose, [[7, 1, 2, 3, 4]], [[1, 2, 3, 9, 9]])
+    assert counts == dict(tokens=4, plain=1, verify=1, draft_tokens=2, accepted=2)
+    # Looking up two tokens only: [4, 1] is new (plain); [1, 2] occurred, drafts [3, 4], the 3
+    # right, then 9 (verify); [3, 9] is new (plain).
+    counts = replay(NgramProposer(2, 2, 2).propose, [[7, 1, 2, 3, 4]], [[1, 2, 3, 9, 9]])
+    assert counts == dict(tokens=4, plain=2, verify=1, draft_tokens=2, accepted=1)
 
 
 def test_quality_perplexity_is_hf_perplexity(tmp_path):
