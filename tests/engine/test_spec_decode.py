@@ -4,8 +4,11 @@ the prefix cache)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.config import CacheConfig, SchedulerConfig, SpeculativeConfig
@@ -266,6 +269,26 @@ def test_ngram_proposes_the_continuation_of_the_latest_longest_match():
     assert proposer.propose(tokens) == [4, 5, 6]  # [2, 3] last seen before [4, 5, 6]
     assert proposer.propose(torch.tensor([5, 6, 7]).numpy()) == []
     assert NgramProposer(2, 2, 2).propose(torch.tensor([1, 2, 8, 2]).numpy()) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    token_ids=st.lists(st.integers(0, 3), min_size=1, max_size=40),
+    k=st.integers(1, 5),
+    lookup=st.tuples(st.integers(1, 5), st.integers(0, 3)),
+)
+def test_ngram_matches_the_search_of_every_window(token_ids, k, lookup):
+    """The proposer's candidate filtering against the definition: for n from lookup_max down
+    to lookup_min, the latest earlier window equal to the last n tokens, and what follows it."""
+    lookup_min, lookup_max = lookup[0], lookup[0] + lookup[1]
+    expected: list[int] = []
+    for n in range(min(lookup_max, len(token_ids) - 1), lookup_min - 1, -1):
+        starts = [j for j in range(len(token_ids) - n) if token_ids[j : j + n] == token_ids[-n:]]
+        if starts:
+            expected = token_ids[starts[-1] + n : starts[-1] + n + k]
+            break
+    proposer = NgramProposer(k, lookup_min, lookup_max)
+    assert proposer.propose(np.array(token_ids, dtype=np.int64)) == expected
 
 
 def make_scheduler(budget: int = 64) -> Scheduler:
