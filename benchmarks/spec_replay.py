@@ -54,8 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.verify_ratios = [float(v) for v in args.verify_ratios.split(",")]
     except ValueError as e:
         parser.error(f"--k, --lookup-min, --lookup-max and --verify-ratios take comma lists: {e}")
-    if min(args.k) < 1 or min(args.lookup_min) < 1 or min(args.verify_ratios) < 1:
-        parser.error("--k and --lookup-min take values >= 1, --verify-ratios values >= 1")
+    if min(args.k + args.lookup_min + args.lookup_max) < 1 or min(args.verify_ratios) < 1:
+        parser.error("--k, --lookup-min, --lookup-max and --verify-ratios take values >= 1")
+    if args.target <= 0:
+        parser.error("--target must be > 0")
     return args
 
 
