@@ -209,6 +209,59 @@ typedef uint32_t u32_alias __attribute__((may_alias)); /* a bf16 pair, read in p
 #define ROWS 16 /* query tokens of an item: the lanes of a vector */
 #define KEYS 16 /* keys of a tile */
 
+/* r[i] <- column i of the 16 x 16 matrix whose rows are r[0..15]. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) { /* pairs of rows: (r_i[c], r_i+1[c]) per column pair */
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* quads: rows i..i+3 of column 4 lane + b in u[i + b] */
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int b = 0; b < 4; b++) { /* 128-bit quads of rows 0-7 and 8-15, then all 16 */
+        const __m512 lo02 = _mm512_shuffle_f32x4(r[b], r[4 + b], 0x88);
+        const __m512 lo13 = _mm512_shuffle_f32x4(r[b], r[4 + b], 0xDD);
+        const __m512 hi02 = _mm512_shuffle_f32x4(r[8 + b], r[12 + b], 0x88);
+        const __m512 hi13 = _mm512_shuffle_f32x4(r[8 + b], r[12 + b], 0xDD);
+        t[b] = _mm512_shuffle_f32x4(lo02, hi02, 0x88);      /* column b */
+        t[8 + b] = _mm512_shuffle_f32x4(lo02, hi02, 0xDD);  /* column 8 + b */
+        t[4 + b] = _mm512_shuffle_f32x4(lo13, hi13, 0x88);  /* column 4 + b */
+        t[12 + b] = _mm512_shuffle_f32x4(lo13, hi13, 0xDD); /* column 12 + b */
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* Stores 32 dimensions of an item's output rows (bf16, row stride `stride`) from o[e], e =
+ * 16h + l the V pairs' order (dimension 8(l/4) + 4h + l%4), each a vector of the rows, times
+ * `inv`: two 16 x 16 transposes and one interleave per row. Element by element (store_float,
+ * the index arithmetic per element) it took 18% of the kernel's cycles on 4 prompts of 512
+ * (perf, the 2-vCPU Zen 4 EPYC); this way, same machine, both libraries in turn
+ * (`benchmarks.attention_kernels --baseline-ref`, `results/attention_kernels-zen4-store.md`),
+ * prompts 4 x 128 0.65x the time (134 -> 208 GFLOP/s), 4 x 512 0.85x (233 -> 274), and the
+ * full workload in int8 (`benchmarks.throughput --configs int8 --baseline-ref`,
+ * `results/throughput-full-zen4-store.md`) 30.1 -> 28.7 s. */
+static inline void store_rows32(const __m512 *o, __m512 inv, uint16_t *out, int64_t stride,
+                                int nq) {
+    __m512 h0[16], h1[16];
+    for (int l = 0; l < 16; l++) {
+        h0[l] = _mm512_mul_ps(o[l], inv);
+        h1[l] = _mm512_mul_ps(o[16 + l], inv);
+    }
+    transpose16(h0);
+    transpose16(h1);
+    const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i last16 = _mm512_add_epi32(first16, _mm512_set1_epi32(8));
+    for (int i = 0; i < nq; i++) {
+        const __m512 lo = _mm512_permutex2var_ps(h0[i], first16, h1[i]);
+        const __m512 hi = _mm512_permutex2var_ps(h0[i], last16, h1[i]);
+        _mm512_storeu_si512(out + i * stride, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
 #define DEFINE_PREFILL_DPBF16(NAME, C, LOAD32, HEAD_DIM)                                          \
 static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {        \
     const uint16_t *q = a->q;                                                                      \
@@ -337,19 +390,11 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
             }                                                                                      \
         }                                                                                          \
         for (int j = 0; j < group; j++) {                                                          \
-            float res[HEAD_DIM][ROWS] __attribute__((aligned(64)));                                \
             /* l > 0 for every real row: its own position's key is seen */                         \
             const __m512 inv = _mm512_div_ps(_mm512_set1_ps(a->v_scale * unit), l[j]);             \
-            for (int e = 0; e < hd; e++)                                                           \
-                _mm512_store_ps(res[e], _mm512_mul_ps(ot[j * hd + e], inv));                       \
-            for (int i = 0; i < nq; i++) {                                                         \
-                const int64_t dst = ((first + i0 + i) * num_heads + g * group + j) * hd;           \
-                for (int e = 0; e < hd; e++) {                                                     \
-                    const int c = e / 32, h = e / 16 % 2, ll = e % 16;                             \
-                    store_float(a->out, KVRAIL_BF16,                                               \
-                                dst + 32 * c + 8 * (ll / 4) + 4 * h + ll % 4, res[e][i]);          \
-                }                                                                                  \
-            }                                                                                      \
+            uint16_t *out = (uint16_t *)a->out + ((first + i0) * num_heads + g * group + j) * hd;  \
+            for (int c = 0; c < hd; c += 32)                                                       \
+                store_rows32(ot + j * hd + c, inv, out + c, num_heads * hd, nq);                   \
         }                                                                                          \
     }                                                                                              \
     free(qt);                                                                                      \
