@@ -216,7 +216,7 @@ static inline void transpose16(__m512 r[16]) {
         t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
         t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
     }
-    for (int i = 0; i < 16; i += 4) { /* quads: rows i..i+3 of column 4 lane + b in u[i + b] */
+    for (int i = 0; i < 16; i += 4) { /* r[i + b] lane k: rows i..i+3 of column 4k + b */
         r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
         r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
         r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
@@ -253,7 +253,9 @@ static inline void store_rows32(const __m512 *o, __m512 inv, uint16_t *out, int6
     }
     transpose16(h0);
     transpose16(h1);
-    const __m512i first16 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    /* dimensions 0-15 of the 32: 4 of h0 (h = 0), 4 of h1, ...; 16-31 the same 8 lanes on */
+    const __m512i first16 =
+        _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i last16 = _mm512_add_epi32(first16, _mm512_set1_epi32(8));
     for (int i = 0; i < nq; i++) {
         const __m512 lo = _mm512_permutex2var_ps(h0[i], first16, h1[i]);
