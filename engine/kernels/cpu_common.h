@@ -163,11 +163,13 @@ static inline __m512i load32_e4m3(const uint8_t *p) {
     return _mm512_and_si512(_mm512_slli_epi16(x, 4), _mm512_set1_epi16((short)0x87f0));
 }
 
-/* Lane i: bf16(lo[i]) | bf16(hi[i]) << 16, rounded to nearest even (vcvtneps2bf16). */
+/* Lane i: bf16(lo[i]) | bf16(hi[i]) << 16, rounded to nearest even: one vcvtne2ps2bf16 (lo
+ * in words 0-15, hi in 16-31) and one vpermw interleaving them. */
 static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
-    const __m512i l = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
-    const __m512i h = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(hi));
-    return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                                25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                                18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
 /* The operand that meets cache rows of `elem_size` bytes an element: for fp8, x times

@@ -297,16 +297,23 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
             _mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32(nq)), _mm512_set1_epi32(-1),           \
             _mm512_add_epi32(lane, _mm512_set1_epi32(start + i0)));                                \
         for (int j = 0; j < group; j++) {                                                          \
-            uint32_t rows[ROWS][HEAD_DIM / 2] __attribute__((aligned(64)));                        \
-            for (int i = 0; i < ROWS; i++)                                                         \
-                if (i < nq)                                                                        \
-                    memcpy(rows[i], q + (first + i0 + i) * a->stride_q                             \
-                                        + (int64_t)(g * group + j) * hd, 2 * (size_t)hd);          \
-                else                                                                               \
-                    memset(rows[i], 0, 2 * (size_t)hd);                                            \
-            for (int p = 0; p < np; p++)                                                           \
-                qt[j * np + p] = cache_operand_bf16(_mm512_i32gather_epi32(                        \
-                    _mm512_mullo_epi32(lane, _mm512_set1_epi32(np)), &rows[0][p], 4), sizeof(C));  \
+            /* 16 pairs of each row (zeros past nq), transposed: lane i of qt[.][p] is row i's */  \
+            /* pair p. Gathered a pair at a time before (5.6% of the kernel's cycles, perf, the */ \
+            /* Zen 4 EPYC); with these transposes and bf16_pairs' two instructions, same */        \
+            /* machine, `benchmarks.attention_kernels --baseline-ref 1629bcc`, prompts 4 x 64 */   \
+            /* 0.89x the time, 4 x 128 0.90-0.95x, 4 x 512 0.97-1.02x */                           \
+            const uint16_t *qj = q + (first + i0) * a->stride_q + (int64_t)(g * group + j) * hd;   \
+            for (int p0 = 0; p0 < np; p0 += 16) {                                                  \
+                __m512 r[16];                                                                      \
+                for (int i = 0; i < 16; i++) {                                                     \
+                    const float *row = (const float *)(qj + i * a->stride_q + 2 * p0);             \
+                    r[i] = i < nq ? _mm512_loadu_ps(row) : _mm512_setzero_ps();                    \
+                }                                                                                  \
+                transpose16(r);                                                                    \
+                for (int p = 0; p < 16; p++)                                                       \
+                    qt[j * np + p0 + p] =                                                          \
+                        cache_operand_bf16(_mm512_castps_si512(r[p]), sizeof(C));                  \
+            }                                                                                      \
             m[j] = _mm512_set1_ps(-FLT_MAX);                                                       \
             l[j] = _mm512_setzero_ps();                                                            \
             for (int e = 0; e < hd; e++) ot[j * hd + e] = _mm512_setzero_ps();                     \
