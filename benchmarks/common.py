@@ -28,6 +28,8 @@ ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
     "int8": {"quantization": "int8"},
     "fp8-kv": {"kv_cache_dtype": "fp8"},
     "int8-fp8-kv": {"quantization": "int8", "kv_cache_dtype": "fp8"},
+    "bf16-kv": {"kv_cache_dtype": "bfloat16"},  # float32 models; a bf16 one stores bf16 anyway
+    "int8-bf16-kv": {"quantization": "int8", "kv_cache_dtype": "bfloat16"},
 }
 
 # The full workload's KV pool on CPU (`LLM(kv_cache_memory_bytes=...)`): 128 requests of up to

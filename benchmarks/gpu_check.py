@@ -13,6 +13,7 @@ on CPU at toy sizes under TRITON_INTERPRET=1, to check the script itself.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -565,14 +566,16 @@ def check_fp8_kv(scale: Scale, device: torch.device, workdir: Path) -> dict:
         rel_err=_rel_err(out, pa.prefill_attention_ref(*args, **scales))
     )
 
-    # Engine, tiny model in fp32: the triton backend's greedy tokens with an fp8 cache against
-    # the torch backend's (same quantization, torch's conversions), and against auto.
+    # Engine, tiny model in fp32: the triton backend's greedy tokens with an fp8 cache, and with
+    # a bf16 one (the interpreter's fp32 -> bf16 stores do not round to nearest even either),
+    # against the torch backend's (same quantization, torch's conversions), and against auto.
     path = workdir / "tiny-fp8"
     make_random_model(path, TINY, device)
     prompts, _ = nano_vllm_workload(scale.parity_prompts, 4, 40, TINY["vocab_size"], seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=scale.parity_tokens, ignore_eos=True)
     tokens, blocks = {}, {}
-    for backend, kv_cache_dtype in (("triton", "fp8"), ("torch", "fp8"), ("triton", "auto")):
+    configs = [*itertools.product(("triton", "torch"), ("fp8", "bfloat16")), ("triton", "auto")]
+    for backend, kv_cache_dtype in configs:
         llm = LLM(
             str(path), attention_backend=backend, dtype="float32", device=device.type,
             block_size=16, max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype,
@@ -586,17 +589,24 @@ def check_fp8_kv(scale: Scale, device: torch.device, workdir: Path) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def num_identical(other: tuple[str, str]) -> int:
-        return sum(a == b for a, b in zip(tokens["triton", "fp8"], tokens[other], strict=True))
+    def num_identical(ours: tuple[str, str], other: tuple[str, str]) -> int:
+        return sum(a == b for a, b in zip(tokens[ours], tokens[other], strict=True))
 
     results["engine"] = dict(
         prompts=len(prompts),
-        identical_to_torch_backend=num_identical(("torch", "fp8")),
-        identical_to_auto=num_identical(("triton", "auto")),
+        identical_to_torch_backend=num_identical(("triton", "fp8"), ("torch", "fp8")),
+        identical_to_auto=num_identical(("triton", "fp8"), ("triton", "auto")),
+        bf16_identical_to_torch_backend=num_identical(
+            ("triton", "bfloat16"), ("torch", "bfloat16")
+        ),
         blocks_auto=blocks["triton", "auto"],
         blocks_fp8=blocks["triton", "fp8"],
+        blocks_bf16=blocks["triton", "bfloat16"],
     )
     results["engine"]["passed"] = results["engine"]["identical_to_torch_backend"] == len(prompts)
+    results["engine"]["bf16_passed"] = results["engine"]["bf16_identical_to_torch_backend"] == len(
+        prompts
+    )
     return results
 
 
@@ -828,6 +838,12 @@ TARGETS = [
     ("fp8 KV write == torch's conversion", ("fp8_kv", "kv_cache_write", "exact"), "==", True),
     ("fp8 KV decode vs reference", ("fp8_kv", "decode_attention", "rel_err"), "<=", 1e-2),
     ("fp8 KV greedy tokens, triton == torch backend", ("fp8_kv", "engine", "passed"), "==", True),
+    (
+        "bf16 KV under fp32, triton == torch backend",
+        ("fp8_kv", "engine", "bf16_passed"),
+        "==",
+        True,
+    ),
     (
         "int8 engine weight bytes / bf16",
         ("quantized_engine", "int8", "weight_bytes_vs_default"),

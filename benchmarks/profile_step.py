@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--output-len", type=parse_range, default=(128, 128), help="LOW:HIGH output tokens")
     add("--dtype", default="auto")
     add("--quantization", default=None, help="e.g. int8")
-    add("--kv-cache-dtype", default="auto", help="auto or fp8")
+    add("--kv-cache-dtype", default="auto", help="auto, bfloat16 (float32 models) or fp8")
     add("--enforce-eager", action="store_true", help="no decode graphs")
     add("--attention-backends", default="torch,cpu", help="comma list, profiled in turn")
     add("--skip-steps", type=int, default=40, help="steps before profiling (prefills)")
@@ -110,7 +110,7 @@ def profile_backend(args: argparse.Namespace, workload: list, backend: str) -> d
                 (
                     args.quantization,
                     str(runner.dtype).removeprefix("torch."),
-                    "fp8 kv" if args.kv_cache_dtype == "fp8" else None,
+                    None if args.kv_cache_dtype == "auto" else f"{args.kv_cache_dtype} kv",
                 ),
             )
         ),

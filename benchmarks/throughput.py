@@ -205,7 +205,7 @@ def run_kvrails(args: argparse.Namespace, workload: list[BenchRequest]) -> dict[
             "seconds_by_round": seconds,
             "dtype": ", ".join(
                 [f"{options['quantization']} ({dtype})" if "quantization" in options else dtype]
-                + (["fp8 kv"] if options.get("kv_cache_dtype") == "fp8" else [])
+                + [f"{kv} kv" for kv in [options.get("kv_cache_dtype")] if kv]
                 + ([f"at {ref}"] if ref else [])
             ),
             "num_preemptions": max(run["num_preemptions"] for run in runs[name]),

@@ -8,7 +8,8 @@ from typing import Any
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "fp8")  # W8A8 int8 (CPU and CUDA); fp8 weights (CUDA with fp8 only)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # auto = the model dtype; fp8 = e4m3 with scales
+# auto = the model dtype; bfloat16 under a float32 model halves the cache; fp8 = e4m3 with scales
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3")
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's: fcfs = arrival order; priority = lowest `priority` first, ties by arrival
 SCHEDULING_POLICIES = ("fcfs", "priority")

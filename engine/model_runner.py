@@ -82,13 +82,22 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def resolve_kv_cache_dtype(
     name: str, model_dtype: torch.dtype, attn_backend: str, device: torch.device
 ) -> torch.dtype:
-    """`auto`: the model dtype; `fp8` / `fp8_e4m3`: float8 e4m3 with per-layer scales.
+    """`auto`: the model dtype; `bfloat16`: bf16 storage under a float32 or bfloat16 model
+    (every backend reads it into the model dtype); `fp8` / `fp8_e4m3`: float8 e4m3 with
+    per-layer scales.
 
     The triton kernels convert to and from fp8 with instructions of compute capability 8.9+
     (Ada, Hopper): refused here, at startup, on older GPUs.
     """
     if name == "auto":
         return model_dtype
+    if name == "bfloat16":
+        if model_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"kv_cache_dtype='bfloat16' needs dtype float32 or bfloat16, the model runs in "
+                f"{str(model_dtype).removeprefix('torch.')}: use kv_cache_dtype='auto'"
+            )
+        return torch.bfloat16
     if attn_backend == "triton" and device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < (8, 9):

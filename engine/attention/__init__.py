@@ -5,7 +5,9 @@ The model runner builds one `CommonAttentionMetadata` per step, hands it to the 
 `set_forward_context(metadata)`; each attention layer reads the metadata back with
 `get_forward_context()` and calls `backend.forward`.
 
-The KV cache is stored in the model dtype or, with `kv_cache_dtype="fp8"`, in float8 e4m3
+The KV cache is stored in the model dtype; with `kv_cache_dtype="bfloat16"` under a float32
+model, in bf16 (half the bytes decode attention reads, each value rounded once, the arithmetic
+still fp32); or, with `kv_cache_dtype="fp8"`, in float8 e4m3
 with one static scale per layer for K and one for V (`quantize_kv` / `dequantize_kv`), and K
 stored less its per-channel mean (`k_shift`). e4m3 keeps 3 mantissa bits of each value, so its
 error grows with the value; post-rotary keys carry a large component that is the same at every
@@ -39,7 +41,7 @@ def quantize_kv(
     fp8: round_to_e4m3(clamp((x - shift) / scale, -448, 448)), computed in fp32 so bf16 inputs
     are rounded once; `shift` is fp32 `[num_kv_heads, head_dim]` (K's, or None: zero); the
     clamp saturates out-of-range values (an unclamped conversion may give NaN). Any other
-    cache dtype stores `x` as is (its scale and shift are unused).
+    cache dtype stores `x` rounded to it (its scale and shift are unused).
     """
     if cache_dtype != FP8_DTYPE:
         return x.to(cache_dtype)

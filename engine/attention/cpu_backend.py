@@ -5,7 +5,8 @@ context into a padded copy per layer and runs SDPA over it; here one call of eac
 (`engine/kernels/cpu_attention.py`) serves all of the step's decode requests, and one all of
 its prompts (fresh or chunked over cached context), each reading the paged cache in place,
 with no padding and no bucketing. With an fp8 cache the kernels decode the e4m3 bytes
-themselves; q and the output stay in the model dtype. One exception: where torch's SDPA runs on
+themselves, and a bf16 cache under a float32 model they widen; q and the output stay in the
+model dtype. One exception: where torch's SDPA runs on
 AMX-BF16 tiles, fresh bf16 prompts of `DENSE_PROMPT_MIN_LEN` tokens or more (no cached context:
 their k and v are the step's own) go through it instead (`cpu_attention.dense_prompt_attention`).
 """

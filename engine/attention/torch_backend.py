@@ -11,7 +11,8 @@ padded rectangle of queries, so `forward` has no per-sequence Python loop:
 - prefills over earlier context (chunked prefill, prefix-cache hits), gathered and masked
   like decodes.
 
-With an fp8 cache, keys and values are dequantized after the gather, and a fresh prefill
+With an fp8 cache (or a bf16 one under a float32 model), keys and values are dequantized
+(widened) after the gather, and a fresh prefill
 attends to its own k/v as stored (quantized, then dequantized): every backend attends to
 the same values whether a key came from the cache or from the step.
 """

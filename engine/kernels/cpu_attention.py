@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from engine.config import MAX_NUM_SPECULATIVE_TOKENS
 from engine.kernels.cpu_runtime import dtype_code, launch
 
-# q / out dtypes; the cache holds the same dtype or fp8 e4m3 (with scales)
+# q / out dtypes; the cache holds the same dtype, bf16 under an fp32 q, or fp8 e4m3 (with scales)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 
 # Requests of up to this many query tokens take the decode kernel: every speculative verify
@@ -117,8 +117,12 @@ def attention_args(
             raise ValueError("the CPU attention kernels take contiguous CPU tensors")
     if q.dtype not in SUPPORTED_DTYPES or out.dtype != q.dtype:
         raise ValueError(f"q and out must share one dtype of {SUPPORTED_DTYPES}")
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
-        raise ValueError("the caches hold q's dtype or float8_e4m3fn")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (
+        q.dtype,
+        torch.bfloat16,
+        torch.float8_e4m3fn,
+    ):
+        raise ValueError("the caches hold q's dtype, bfloat16 or float8_e4m3fn")
     for t in (block_table, query_start_loc, seq_lens, req_indices):
         if t.dtype != torch.int32:
             raise ValueError("block_table, query_start_loc, seq_lens and req_indices are int32")

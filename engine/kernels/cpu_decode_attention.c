@@ -16,7 +16,8 @@
  *
  * The cache holds float32, bfloat16 or fp8 e4m3 (then with per-layer scales: k_scale is
  * folded into the query's scaling, v_scale into the output); q and out are float32 or
- * bfloat16. Accumulation is fp32 whatever the storage type; an empty context gives zeros.
+ * bfloat16 (a bf16 query reads no fp32 cache). Accumulation is fp32 whatever the storage
+ * type; an empty context gives zeros.
  */
 #include <float.h>
 #include <math.h>
@@ -228,6 +229,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
 
 DEFINE_HEAD_DIM_INSTANCES(DEFINE_DECODE, decode_f32, float, load_f32, float, load_f32)
 DEFINE_HEAD_DIM_INSTANCES(DEFINE_DECODE, decode_bf16, uint16_t, load_bf16, uint16_t, load_bf16)
+DEFINE_HEAD_DIM_INSTANCES(DEFINE_DECODE, decode_f32_bf16, float, load_f32, uint16_t, load_bf16)
 DEFINE_HEAD_DIM_INSTANCES(DEFINE_DECODE, decode_f32_fp8, float, load_f32, uint8_t, load_e4m3)
 DEFINE_HEAD_DIM_INSTANCES(DEFINE_DECODE, decode_bf16_fp8, uint16_t, load_bf16, uint8_t, load_e4m3)
 
@@ -453,6 +455,7 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
 
 DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_f32, float, load_f32, float, vload_f32)
 DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_bf16, uint16_t, load_bf16, uint16_t, vload_bf16)
+DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_f32_bf16, float, load_f32, uint16_t, vload_bf16)
 DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_f32_fp8, float, load_f32, uint8_t, vload_e4m3)
 DEFINE_64_AND_128(DEFINE_DECODE_SIMD, decode_simd_bf16_fp8, uint16_t, load_bf16, uint8_t, vload_e4m3)
 #endif
@@ -729,28 +732,31 @@ DEFINE_64_AND_128(DEFINE_DECODE_DPBF16, decode_dpbf16_bf16, uint16_t, load32_bf1
 DEFINE_64_AND_128(DEFINE_DECODE_DPBF16, decode_dpbf16_fp8, uint8_t, load32_e4m3)
 #endif
 
-/* Attend each of `req_indices` to its context. A cache in float holds q's dtype (the
- * launcher checks). */
+/* Attend each of `req_indices` to its context. The cache holds q's dtype, bfloat16 under a
+ * float32 q, or fp8 (the launcher checks). */
 void kvrail_decode_attention(const struct kvrail_attention_args *a, int tid,
                              int num_threads) {
     const int bf16 = a->q_dtype == KVRAIL_BF16;
+    const int cache = (int)a->cache_dtype;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     const int pow2_blocks = (a->block_size & (a->block_size - 1)) == 0;
     if (bf16 && pow2_blocks
-        && (a->cache_dtype == KVRAIL_FP8_E4M3 ? decode_dpbf16_fp8(a, tid, num_threads)
-                                              : decode_dpbf16_bf16(a, tid, num_threads)))
+        && (cache == KVRAIL_FP8_E4M3 ? decode_dpbf16_fp8(a, tid, num_threads)
+                                     : decode_dpbf16_bf16(a, tid, num_threads)))
         return;
 #endif
 #if defined(VEC)
-    const int done = a->cache_dtype == KVRAIL_FP8_E4M3
-                         ? (bf16 ? decode_simd_bf16_fp8(a, tid, num_threads)
-                                 : decode_simd_f32_fp8(a, tid, num_threads))
-                         : (bf16 ? decode_simd_bf16(a, tid, num_threads)
-                                 : decode_simd_f32(a, tid, num_threads));
+    const int done = cache == KVRAIL_FP8_E4M3 ? (bf16 ? decode_simd_bf16_fp8(a, tid, num_threads)
+                                                       : decode_simd_f32_fp8(a, tid, num_threads))
+                     : bf16                   ? decode_simd_bf16(a, tid, num_threads)
+                     : cache == KVRAIL_BF16   ? decode_simd_f32_bf16(a, tid, num_threads)
+                                              : decode_simd_f32(a, tid, num_threads);
     if (done) return;
 #endif
-    if (a->cache_dtype == KVRAIL_FP8_E4M3)
+    if (cache == KVRAIL_FP8_E4M3)
         bf16 ? decode_bf16_fp8(a, tid, num_threads) : decode_f32_fp8(a, tid, num_threads);
+    else if (bf16)
+        decode_bf16(a, tid, num_threads);
     else
-        bf16 ? decode_bf16(a, tid, num_threads) : decode_f32(a, tid, num_threads);
+        cache == KVRAIL_BF16 ? decode_f32_bf16(a, tid, num_threads) : decode_f32(a, tid, num_threads);
 }

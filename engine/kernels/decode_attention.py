@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import FP8_DTYPE, dequantize_kv
+from engine.attention import dequantize_kv
 
 _LOG2E = 1.4426950408889634
 
@@ -54,7 +54,7 @@ def _decode_attention_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    UPCAST_KV: tl.constexpr,
 ):
     pid_s = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -80,10 +80,9 @@ def _decode_attention_split_kernel(
         mask=mask_g[:, None] & mask_d[None, :],
         other=0.0,
     )
-    # The dots run in the cache's dtype; an fp8 cache is upcast to q's (exact: e4m3 values
-    # are bf16 values), its scales folded into qk_scale and the final normalization.
-    if not KV_FP8:
-        q = q.to(K_cache.dtype.element_ty)
+    # The dots run in q's dtype; a narrower cache (fp8, or bf16 under an fp32 q) is upcast to
+    # it (exact: e4m3 values are bf16 values), fp8's scales folded into qk_scale and the final
+    # normalization.
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -97,7 +96,7 @@ def _decode_attention_split_kernel(
         mask_kv = mask_n[:, None] & mask_d[None, :]
         k_ptrs = K_cache + block_ids * stride_kb + page_offs * stride_ks + kv_head * stride_kh
         k = tl.load(k_ptrs[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
-        if KV_FP8:
+        if UPCAST_KV:
             k = k.to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
@@ -107,7 +106,7 @@ def _decode_attention_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = V_cache + block_ids * stride_vb + page_offs * stride_vs + kv_head * stride_vh
         v = tl.load(v_ptrs[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
-        if KV_FP8:
+        if UPCAST_KV:
             v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -212,8 +211,6 @@ def decode_attention(
     lse = torch.empty((num_decodes, num_heads, num_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     has_req_indices = req_indices is not None
-    kv_fp8 = k_cache.dtype == FP8_DTYPE
-    dot_dtype = q.dtype if kv_fp8 else k_cache.dtype
     _decode_attention_split_kernel[(num_decodes, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -242,8 +239,8 @@ def decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
-        KV_FP8=kv_fp8,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST_KV=k_cache.dtype != q.dtype,
     )
     _decode_attention_reduce_kernel[(num_decodes, num_heads)](
         partial,

@@ -8,8 +8,9 @@ An fp8 cache stores `round_to_e4m3(clamp((x - shift) / scale, -448, 448))` (`qua
 rounding is the GPU's fp32 -> e4m3 conversion (round to nearest even, compute capability
 >= 8.9). TRITON_INTERPRET=1 (triton 3.9) emulates that conversion wrongly: ties round away
 from zero, and a rounding carry out of the mantissa is lost (125.6 is stored as 64, not 128),
-so under the interpreter only values already on the e4m3 grid are stored exactly;
-`benchmarks/gpu_check.py` compares arbitrary values with torch's conversion on a GPU.
+so under the interpreter only values already on the e4m3 grid are stored exactly; its fp32 ->
+bf16 conversion (a bf16 cache under a float32 model) does not round to nearest even either.
+`benchmarks/gpu_check.py` compares arbitrary values with torch's conversions on a GPU.
 """
 
 from __future__ import annotations

@@ -123,6 +123,31 @@ def test_backend_matches_reference(backend_name, block_size, num_heads, num_kv_h
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "triton", "cpu"])
+def test_bf16_cache_under_fp32_model(backend_name):
+    """kv_cache_dtype="bfloat16" with float32 q, k, v: the step's k and v are stored rounded
+    to bf16, and every query attends, in fp32, to its context as stored."""
+    q, k, v, k_cache, v_cache, common, qs, contexts = make_step(
+        MIXED_BATCH, 8, 2, 16, num_pad_tokens=3
+    )
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    if backend_name == "triton":  # TRITON_INTERPRET's fp32 -> bf16 does not round to nearest
+        k, v = k.bfloat16().float(), v.bfloat16().float()  # even (kv_cache_write.py)
+    backend = get_attn_backend(backend_name)
+    scale = HEAD_DIM**-0.5
+    out = backend.forward(q, k, v, k_cache, v_cache, backend.build(common), scale)
+
+    n = common.num_actual_tokens
+    assert out.dtype == torch.float32
+    stored = [
+        (k_full.bfloat16().float(), v_full.bfloat16().float(), c) for k_full, v_full, c in contexts
+    ]
+    torch.testing.assert_close(out[:n], expected_outputs(qs, stored, scale), atol=1e-5, rtol=1e-5)
+    assert not out[n:].any(), "padding rows must stay zero"
+    flat_k = k_cache.view(-1, 2, HEAD_DIM)
+    assert torch.equal(flat_k[common.slot_mapping], k[:n].bfloat16())
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton", "cpu"])
 def test_block_written_in_step_is_read_by_other_request(backend_name):
     # Request 1 shares request 0's first block (a same-step prefix-cache hit): its cached
     # context only exists once request 0's new tokens are written in this very step.

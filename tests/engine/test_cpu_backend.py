@@ -29,19 +29,28 @@ from tests.engine.test_kernels import (
 from tests.engine.tiny_models import make_tiny_model
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+# (q and out, cache): the model dtype's own cache, and bf16 storage under a float32 model
+DTYPE_PAIRS = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,cache_dtype", DTYPE_PAIRS)
 # (32, 10, 2): a GQA group of 5, more query heads than the vector paths hold in registers.
 @pytest.mark.parametrize(
     "block_size,num_heads,num_kv_heads", [(8, 4, 4), (16, 6, 2), (16, 9, 3), (32, 10, 2)]
 )
 # 64 and 128 have their own compiled instances; any other size takes the generic one.
 @pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])
-def test_kernel_matches_reference(dtype, block_size, num_heads, num_kv_heads, head_dim):
+def test_kernel_matches_reference(
+    dtype, cache_dtype, block_size, num_heads, num_kv_heads, head_dim
+):
     q, k_cache, v_cache, block_table, query_start_loc, seq_lens = decode_inputs(
         block_size, num_heads, num_kv_heads, dtype, long_blocks=5, head_dim=head_dim
     )
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     expected = decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, 0.3)
     # Slots no context reaches may hold anything: NaN there must not leak into the output.
     used = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
@@ -155,15 +164,18 @@ def test_kernel_writes_only_the_selected_requests_rows():
     check_decode_writes_only_selected_rows(paged_decode_attention)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,cache_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize("block_size,num_heads,num_kv_heads", [(8, 4, 4), (16, 6, 2), (32, 9, 3)])
 @pytest.mark.parametrize("head_dim", [HEAD_DIM, 64, 128])
-def test_prefill_kernel_matches_reference(dtype, block_size, num_heads, num_kv_heads, head_dim):
+def test_prefill_kernel_matches_reference(
+    dtype, cache_dtype, block_size, num_heads, num_kv_heads, head_dim
+):
     """Fresh prompts longer than a tile of 16, chunks over cached context ending mid-block, an
     empty and a one-token query, a prefix hit on a block edge (`prefill_inputs`)."""
     q, k_cache, v_cache, block_table, query_start_loc, seq_lens = prefill_inputs(
         block_size, num_heads, num_kv_heads, dtype, head_dim=head_dim
     )
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     out = torch.full_like(q, float("nan"))
     every_request = torch.arange(len(seq_lens), dtype=torch.int32)
     paged_prefill_attention(
@@ -211,9 +223,11 @@ def test_kernel_rejects_what_it_cannot_read():
                                1.0, torch.empty_like(q))  # fmt: skip
     with pytest.raises(ValueError, match="int32"):
         paged_decode_attention(q, *args, index.long(), 1.0, torch.empty_like(q))
+    with pytest.raises(ValueError, match="caches hold"):  # a bf16 q reads no fp32 cache
+        paged_decode_attention(q.bfloat16(), *args, index, 1.0, torch.empty_like(q.bfloat16()))
     with pytest.raises(ValueError, match="caches hold"):
-        paged_decode_attention(q, k_cache.bfloat16(), v_cache.bfloat16(), *args[2:], index,
-                               1.0, torch.empty_like(q))  # fmt: skip
+        paged_decode_attention(q, k_cache.bfloat16(), v_cache, *args[2:], index, 1.0,
+                               torch.empty_like(q))  # fmt: skip
     # An fp8 cache takes q and out in the model dtype, both caches in fp8.
     k8, v8 = (c.to(FP8_DTYPE) for c in (k_cache, v_cache))
     fp8_args = (k8, v8, *args[2:])

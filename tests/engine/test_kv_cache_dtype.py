@@ -1,5 +1,6 @@
-"""`kv_cache_dtype="fp8"` through the whole engine: calibration, pool size, tokens, and the
-same logprobs as HF with K (after rotary) and V quantized the same way."""
+"""`kv_cache_dtype="fp8"` and `"bfloat16"` (under a float32 model) through the whole engine:
+calibration, pool size, tokens, and the same logprobs as HF with K (after rotary) and V stored
+the same way."""
 
 from __future__ import annotations
 
@@ -55,12 +56,12 @@ def num_kv_blocks(llm: LLM) -> int:
 
 @pytest.fixture(scope="module")
 def fp32_runs(tiny):
-    """auto and fp8 (default backend: the C kernel here) on the same prompts: greedy tokens
-    with the top-2 logprobs of each."""
+    """A float32 model with each cache dtype (default backend: the C kernel here) on the same
+    prompts: greedy tokens with the top-2 logprobs of each."""
     path, prompts = tiny
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
     runs = {}
-    for kv_cache_dtype in ("auto", "fp8"):
+    for kv_cache_dtype in ("auto", "bfloat16", "fp8"):
         kwargs = dict(kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=KV_BYTES)
         llm = LLM(str(path), dtype="float32", **kwargs)
         runs[kv_cache_dtype] = (llm, [r.outputs[0] for r in llm.generate(prompts, params)])
@@ -68,24 +69,30 @@ def fp32_runs(tiny):
     return runs
 
 
-def test_fp8_tokens_differ_from_auto_only_at_near_ties(fp32_runs):
-    (_, auto), (_, fp8) = fp32_runs["auto"], fp32_runs["fp8"]
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
+def test_narrow_cache_tokens_differ_from_auto_only_at_near_ties(fp32_runs, kv_cache_dtype):
+    (_, auto), (_, narrow) = fp32_runs["auto"], fp32_runs[kv_cache_dtype]
     num_identical = 0
-    for a, b in zip(auto, fp8, strict=True):
+    for a, b in zip(auto, narrow, strict=True):
         diverge = next((i for i in range(NUM_TOKENS) if a.token_ids[i] != b.token_ids[i]), None)
         if diverge is None:
             num_identical += 1
             continue
         top2 = sorted((lp.logprob for lp in a.logprobs[diverge].values()), reverse=True)
         assert top2[0] - top2[1] < FLIP_MARGIN, f"a clear choice flipped at token {diverge}"
-    # Measured: 14 of the 16 prompts give the same 8 tokens; the other two part where auto's
-    # top-2 gap is 0.027 and 0.022 nats.
-    assert num_identical >= 0.75 * len(auto)
+    # Measured, fp8: 14 of the 16 prompts give the same 8 tokens; the other two part where
+    # auto's top-2 gap is 0.027 and 0.022 nats. bf16 (8 mantissa bits against 4): all 16.
+    assert num_identical >= (0.75 if kv_cache_dtype == "fp8" else 1.0) * len(auto)
 
 
-def test_fp8_pool_holds_more_blocks_in_the_same_bytes(fp32_runs, tiny):
-    # fp32 model: 4 bytes per value in the cache against 1.
-    assert num_kv_blocks(fp32_runs["fp8"][0]) == 4 * num_kv_blocks(fp32_runs["auto"][0])
+def test_narrow_caches_hold_more_blocks_in_the_same_bytes(fp32_runs, tiny):
+    # fp32 model: 4 bytes per value in the cache against 2 (bf16) and 1 (fp8).
+    auto_blocks = num_kv_blocks(fp32_runs["auto"][0])
+    assert num_kv_blocks(fp32_runs["bfloat16"][0]) == 2 * auto_blocks
+    assert num_kv_blocks(fp32_runs["fp8"][0]) == 4 * auto_blocks
+    for kv_cache_dtype, dtype in (("auto", torch.float32), ("bfloat16", torch.bfloat16)):
+        (caches, *_) = fp32_runs[kv_cache_dtype][0].llm_engine.engine_core.model_runner.kv_caches
+        assert caches[0].dtype == dtype
     # bf16 model: 2 against 1; the torch backend, end to end.
     path, prompts = tiny
     blocks = {}
@@ -110,8 +117,9 @@ def test_calibration_is_reproducible_and_leaves_headroom(fp32_runs, tiny):
     path, _ = tiny
     scales = layer_scales(fp32_runs["fp8"][0])
     assert all(s > 0 for pair in scales for s in pair)
-    assert layer_scales(fp32_runs["auto"][0]) == [(1.0, 1.0)] * len(scales)
-    assert all(attn.k_shift is None for attn in attention_layers(fp32_runs["auto"][0]))
+    for kv_cache_dtype in ("auto", "bfloat16"):
+        assert layer_scales(fp32_runs[kv_cache_dtype][0]) == [(1.0, 1.0)] * len(scales)
+        assert all(attn.k_shift is None for attn in attention_layers(fp32_runs[kv_cache_dtype][0]))
     llm = LLM(str(path), dtype="float32", kv_cache_dtype="fp8", kv_cache_memory_bytes=KV_BYTES)
     assert layer_scales(llm) == scales
     for a, b in zip(attention_layers(llm), attention_layers(fp32_runs["fp8"][0]), strict=True):
@@ -127,19 +135,21 @@ def test_calibration_is_reproducible_and_leaves_headroom(fp32_runs, tiny):
     assert_pool_free(llm)
 
 
-def test_fp8_logprobs_match_hf_with_quantized_kv(fp32_runs, tiny, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
+def test_logprobs_match_hf_with_kv_stored_alike(fp32_runs, tiny, monkeypatch, kv_cache_dtype):
     """HF's Llama with each layer's K (after rotary) and V replaced by quantize_kv then
-    dequantize_kv, at the engine's scales, scores the engine's fp8 outputs: the same
-    logprobs up to fp32 rounding, prefill and decode alike."""
+    dequantize_kv, at the engine's scales, scores the engine's outputs: the same logprobs up
+    to fp32 rounding, prefill and decode alike."""
     path, prompts = tiny
-    llm, outputs = fp32_runs["fp8"]
+    llm, outputs = fp32_runs[kv_cache_dtype]
+    cache_dtype = llm.llm_engine.engine_core.model_runner.kv_cache_dtype
     scales = layer_scales(llm)
     shifts = [attn.k_shift for attn in attention_layers(llm)]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     current = {}
 
     def fake_quant(x: torch.Tensor, scale: float, shift=None) -> torch.Tensor:
-        return dequantize_kv(quantize_kv(x, FP8_DTYPE, scale, shift), x.dtype, scale)
+        return dequantize_kv(quantize_kv(x, cache_dtype, scale, shift), x.dtype, scale)
 
     rotary = modeling_llama.apply_rotary_pos_emb
 
@@ -166,8 +176,11 @@ def test_fp8_logprobs_match_hf_with_quantized_kv(fp32_runs, tiny, monkeypatch):
 
 
 def test_unknown_kv_cache_dtype_names_the_supported_values():
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8'"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'bfloat16'"):
         EngineConfig(kv_cache_dtype="int8")
+    # bf16 storage is read into the model dtype: not into float16, whose range is narrower.
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='bfloat16' needs dtype float32"):
+        resolve_kv_cache_dtype("bfloat16", torch.float16, "torch", torch.device("cpu"))
 
 
 def test_triton_refuses_fp8_on_gpus_without_it(monkeypatch):
