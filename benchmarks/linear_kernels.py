@@ -10,7 +10,12 @@ yardstick for the C int8 kernel: oneDNN's int8 x int8 -> int32 product alone, on
 quantized beforehand and with no scales applied to its sums (the C kernel's time includes
 both).
 
+By default each shape's weights are one matrix run `count` times, so most of them stay in the
+caches: the kernels' arithmetic. `--per-layer-weights` gives every layer a matrix of its own
+(270 MB in bf16 for SmolLM2-135M), read from DRAM on every pass as the engine reads them.
+
     python -m benchmarks.linear_kernels --num-tokens 1,2,4,8,16,32,64,256
+    python -m benchmarks.linear_kernels --per-layer-weights --num-tokens 1,8,16,32,64,96,128
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--num-tokens", default="1,2,4,8,16,32,64,256", help="rows per matmul (M)")
     add("--dtype", default="auto", help="float32, bfloat16 or auto (the engine's choice)")
     add("--rounds", type=int, default=5)
+    add("--per-layer-weights", action="store_true", help="a matrix per layer (read from DRAM)")
     add("--name", default="linear_kernels")
     args = parser.parse_args(argv)
     args.num_tokens = [int(m) for m in args.num_tokens.split(",")]
@@ -59,12 +65,13 @@ def engine_shapes(config: Any) -> list[tuple[int, int, int]]:
     ]
 
 
-def time_pass(run: Any, work: list[tuple[Any, dict[str, Any], int]], system: str) -> float:
-    """Seconds of one forward pass's linear layers: each shape run `count` times."""
+def time_pass(run: Any, work: list[tuple[Any, list[dict[str, Any]], int]], system: str) -> float:
+    """Seconds of one forward pass's linear layers: each shape run `count` times, over its
+    matrices in turn (one, or one per layer)."""
     start = time.perf_counter()
     for x, weights, count in work:
-        for _ in range(count):
-            run(x, weights[system])
+        for i in range(count):
+            run(x, weights[i % len(weights)][system])
     return time.perf_counter() - start
 
 
@@ -84,22 +91,26 @@ def main(argv: list[str] | None = None) -> int:
     float_kernel = lambda x, w: linear_float(x, w, None)  # noqa: E731
     int_mm = lambda x, w: torch._int_mm(w[0], w[1])  # noqa: E731  (x: only its shape counts)
     runs = dict(zip(SYSTEMS, (F.linear, float_kernel, linear_w8a8, int_mm), strict=True))
-    weights = []
-    for n_in, n_out, count in engine_shapes(config):
+
+    def matrices(n_in: int, n_out: int) -> dict[str, Any]:
         w = torch.randn(n_out, n_in, dtype=dtype) * n_in**-0.5
         w_q, w_scale = quantize_rows_int8(w)
         packed = pack_int8(w_q, w_scale, None, False)
-        weights.append(
-            (dict(zip(SYSTEMS, (w, w, packed, w_q.t().contiguous()), strict=True)), count)
-        )
+        return dict(zip(SYSTEMS, (w, w, packed, w_q.t().contiguous()), strict=True))
+
+    weights = [
+        ([matrices(n_in, n_out) for _ in range(count if args.per_layer_weights else 1)], count)
+        for n_in, n_out, count in engine_shapes(config)
+    ]
     results = []
     with torch.inference_mode():
         for num_tokens in args.num_tokens:
             work = []
             for ws, count in weights:
-                x = torch.randn(num_tokens, ws["C float"].shape[1], dtype=dtype)
+                x = torch.randn(num_tokens, ws[0]["C float"].shape[1], dtype=dtype)
                 x_q = torch.randint(-127, 128, x.shape, dtype=torch.int8)
-                work.append((x, {**ws, "torch _int_mm": (x_q, ws["torch _int_mm"])}, count))
+                ws = [{**w, "torch _int_mm": (x_q, w["torch _int_mm"])} for w in ws]
+                work.append((x, ws, count))
             times: dict[str, list[float]] = {name: [] for name in SYSTEMS}
             for name in SYSTEMS:  # warm-up: first calls pick kernels
                 time_pass(runs[name], work, name)
@@ -120,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         [
             "# Linear layers on the CPU: torch matmul, C float, C int8 (W8A8), torch _int_mm",
             f"One forward pass's linear layers ({num_matmuls} matmuls, the engine's fused "
-            f"shapes), activations in {dtype}, {torch.get_num_threads()} threads, "
+            f"shapes; {'a matrix per layer' if args.per_layer_weights else 'a matrix per shape'}"
+            f"), activations in {dtype}, {torch.get_num_threads()} threads, "
             f"{platform.machine()}; medians of {args.rounds} rounds, the systems alternating.",
             markdown_table(headers, rows),
         ]

@@ -12,6 +12,7 @@ sampling, ...) and lists the top ops.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import defaultdict
 from typing import Any
@@ -58,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--quantization", default=None, help="e.g. int8")
     add("--kv-cache-dtype", default="auto", help="auto, bfloat16 (float32 models) or fp8")
     add("--enforce-eager", action="store_true", help="no decode graphs")
+    add("--speculative-config", type=json.loads, default=None, help="JSON, as vLLM's")
     add("--attention-backends", default="torch,cpu", help="comma list, profiled in turn")
     add("--skip-steps", type=int, default=40, help="steps before profiling (prefills)")
     add("--steps", type=int, default=20, help="steps profiled")
@@ -78,6 +80,7 @@ def profile_backend(args: argparse.Namespace, workload: list, backend: str) -> d
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager,
+        speculative_config=args.speculative_config,
         max_num_seqs=args.num_requests,
         attention_backend=backend,
     )

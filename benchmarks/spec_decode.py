@@ -287,12 +287,16 @@ def engine_kwargs(args: argparse.Namespace, dtype: str, spec_config: dict | None
 
 
 # In each system's process (`engine_process.EngineProcess`): set it up, then run sets.
-def setup_engine(llm: Any) -> dict[str, str]:
+def setup_engine(llm: Any) -> dict[str, Any]:
     """One-off costs (allocation, kernels) paid on a prompt no measured one shares; the step
-    timer; the dtype the engine chose."""
+    timer; the dtype the engine chose and the batch size it stops speculating at."""
     llm.generate([WARM_UP_IDS], Task("warm-up", "-", WARM_UP_IDS, 16).sampling_params())
     llm.step_timer = StepTimer(llm)
-    return {"dtype": str(llm.llm_engine.engine_core.model_runner.dtype).removeprefix("torch.")}
+    runner = llm.llm_engine.engine_core.model_runner
+    return {
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "disable_by_batch_size": runner.disable_by_batch_size,
+    }
 
 
 class _NoProgress:
@@ -337,8 +341,8 @@ def measure(
                         result = engines[name].call("run_set_in_process", set_name, jobs[set_name])
                         runs[set_name][name].append(SetRun(**result))
                         progress.update(len(tasks))
-                ran = engines[names[0]].ready["dtype"]
-    return runs, ran
+                ready = {name: engines[name].ready for name in names}
+    return runs, ready
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,7 +577,9 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> str:
     lines = [
         "# Speculative decoding",
         "",
-        f"`speculative_config` {json.dumps(args.speculative_config)}; dtype {results['dtype']};"
+        f"`speculative_config` {json.dumps(args.speculative_config)}"
+        f" (`disable_by_batch_size` as run: {fmt_limits(results['disable_by_batch_size'])});"
+        f" dtype {results['dtype']};"
         f" {args.rounds} rounds, systems taking turns; ratios are medians over rounds of"
         " spec / base output tok/s within a round. Single stream: grounded"
         f" {sets['grounded']} and free-form {sets['free-form']} chat tasks (`spec_workload.py`),"
@@ -661,15 +667,29 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def fmt_limits(limits: dict[str, int | None]) -> str:
+    """Each speculating system's `disable_by_batch_size` as it ran: `8`, or `8 (spec), None
+    (spec-k3)` where they differ."""
+    text = {name: str(n) for name, n in limits.items()}
+    if len(set(text.values())) == 1:
+        return next(iter(text.values()))
+    return ", ".join(f"{t} ({name})" for name, t in text.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from engine import load_tokenizer, resolve_model
 
     sets = build_sets(args, load_tokenizer(resolve_model(args.model)))
     systems = system_configs(args)
-    runs, dtype = measure(args, systems, args.dtype, sets, args.rounds, "spec decode")
+    runs, ready = measure(args, systems, args.dtype, sets, args.rounds, "spec decode")
+    dtype = ready["base"]["dtype"]
     results: dict[str, Any] = {
         "dtype": dtype,
+        # per speculating system: steps of this many requests or more propose nothing
+        "disable_by_batch_size": {
+            name: r["disable_by_batch_size"] for name, r in ready.items() if systems[name]
+        },
         "sets": {name: len(tasks) for name, tasks in sets.items()},
         "speed": {s: speed_summary(r) for s, r in runs.items()},
         "acceptance": {s: acceptance_summary(r, systems) for s, r in runs.items()},

@@ -42,9 +42,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram: longest suffix looked up
     prompt_lookup_min: int = 2  # ngram: shortest suffix looked up
     model: str | None = None  # draft_model: HF folder or .gguf file
-    # Steps with at least this many requests run without speculation (None: never off); see
-    # `benchmarks/spec_decode.py` for the measured crossover.
-    disable_by_batch_size: int | None = None
+    # Steps with at least this many requests run without speculation; None: never off; "auto":
+    # the crossover measured for the machine, where it was (`auto_disable_by_batch_size`).
+    disable_by_batch_size: int | str | None = "auto"
 
     def __post_init__(self) -> None:
         check = _checker(self)
@@ -71,10 +71,10 @@ class SpeculativeConfig:
             "must be given for method 'draft_model' and only for it",
         )
         check(
-            self.disable_by_batch_size is None
+            self.disable_by_batch_size in (None, "auto")
             or (_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
             "disable_by_batch_size",
-            "must be None or an integer >= 1",
+            "must be None, 'auto' or an integer >= 1",
         )
 
     @classmethod

@@ -52,6 +52,7 @@ from engine.sampler import (
     argmax_rows,
     gather_logprobs,
 )
+from engine.spec_decode import auto_disable_by_batch_size
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.ngram_proposer import NgramProposer
 from engine.spec_decode.rejection_sampler import rejection_sample
@@ -180,6 +181,15 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.spec_config = spec = config.speculative_config
         self.proposer: NgramProposer | DraftModelProposer | None = None
+        # Steps with at least this many requests propose nothing (None: never off).
+        self.disable_by_batch_size: int | None = None
+        if spec is not None:
+            self.disable_by_batch_size = spec.disable_by_batch_size
+            if spec.disable_by_batch_size == "auto":
+                self.disable_by_batch_size = auto_disable_by_batch_size(
+                    self.device, self.dtype, config.quantization
+                )
+            logger.info("speculation off in steps of %s+ requests", self.disable_by_batch_size)
         if spec is not None and spec.method == "ngram":
             self.proposer = NgramProposer(
                 spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
@@ -723,7 +733,7 @@ class ModelRunner:
         step's batch reaches `disable_by_batch_size` (compute-bound: verification would cost
         more than it saves). Drafts are optional: a proposer that fails costs the step its
         drafts, never its tokens (they are already sampled)."""
-        limit = self.spec_config.disable_by_batch_size
+        limit = self.disable_by_batch_size
         if limit is not None and len(self.requests) >= limit:
             return [[] for _ in states]
         try:

@@ -18,7 +18,7 @@
  *   torch's own matmul reads, so nothing is stored twice), for small M only, where
  *   oneDNN's matmul streams bf16 weights at half the memory bandwidth (measured: 21 GB/s at
  *   M = 1). Each output is a dot product along k (AVX512-BF16 vdpbf16ps where present),
- *   tiles of 4 rows x 4 columns, reduced horizontally once per tile.
+ *   tiles of up to 6 rows x 4 columns, reduced horizontally once per tile.
  *
  * With AMX-INT8 (Xeons since Sapphire Rapids), blocks of 32 (or 16) rows x 2 panels run on
  * the tile unit instead: a B tile is 16 consecutive groups of a panel as packed (16 rows of
@@ -163,29 +163,48 @@ static inline __attribute__((always_inline)) void w8a8_vectors_avx2(const int16_
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* The tile's accumulators named one by one (c<row><panel>), each row and panel kept by the
+ * tile's shape (constants once inlined, `w8a8_dispatch`): as an array, gcc 12 keeps only part
+ * of it in registers and stores the rest every k group (measured on the 6 x 4 tile: 21% of the
+ * VNNI peak at M = 256; the smaller tiles, M % 6 rows and M = 2..5, stored every one). */
+#define W8A8_ZERO(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = c##i##0, \
+                             c##i##2 = c##i##0, c##i##3 = c##i##0;
+#define W8A8_ROW(i)                                                                            \
+    if (mr > i) {                                                                              \
+        int32_t four;                                                                          \
+        memcpy(&four, xq + i * stride_xq + g * KGROUP, sizeof four);                           \
+        const __m512i a = _mm512_set1_epi32(four);                                             \
+        c##i##0 = _mm512_dpbusd_epi32(c##i##0, a, b0);                                         \
+        if (nt > 1) c##i##1 = _mm512_dpbusd_epi32(c##i##1, a, b1);                             \
+        if (nt > 2) c##i##2 = _mm512_dpbusd_epi32(c##i##2, a, b2);                             \
+        if (nt > 3) c##i##3 = _mm512_dpbusd_epi32(c##i##3, a, b3);                             \
+    }
+#define W8A8_STORE(i)                                                                          \
+    if (mr > i) {                                                                              \
+        const __m512i row[MAX_NT] = {c##i##0, c##i##1, c##i##2, c##i##3};                      \
+        for (int j = 0; j < nt; j++)                                                           \
+            _mm512_storeu_si512((void *)(acc + (i * MAX_NT + j) * PANEL), row[j]);             \
+    }
+#endif
+
 /* Integer dot products of an mr x nt tile: acc[i][j * PANEL + c] = sum_k xq[i][k] w[c][k]. */
 static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, int64_t stride_xq,
                                                             const int8_t *w, int64_t panel_bytes,
                                                             int64_t num_groups, int mr, int nt,
                                                             int32_t *acc) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    __m512i sums[MAX_MR][MAX_NT];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nt; j++) sums[i][j] = _mm512_setzero_si512();
+    W8A8_ZERO(0) W8A8_ZERO(1) W8A8_ZERO(2) W8A8_ZERO(3) W8A8_ZERO(4) W8A8_ZERO(5)
     for (int64_t g = 0; g < num_groups; g++) {
         __m512i b[MAX_NT];
-        for (int j = 0; j < nt; j++)
+        for (int j = 0; j < MAX_NT; j++) {
+            if (j >= nt) break;
             b[j] = _mm512_loadu_si512((const void *)(w + j * panel_bytes + g * 64));
-        for (int i = 0; i < mr; i++) {
-            int32_t four;
-            memcpy(&four, xq + i * stride_xq + g * KGROUP, sizeof four);
-            const __m512i a = _mm512_set1_epi32(four);
-            for (int j = 0; j < nt; j++) sums[i][j] = _mm512_dpbusd_epi32(sums[i][j], a, b[j]);
         }
+        const __m512i b0 = b[0], b1 = b[nt > 1], b2 = b[nt > 2 ? 2 : 0], b3 = b[nt > 3 ? 3 : 0];
+        W8A8_ROW(0) W8A8_ROW(1) W8A8_ROW(2) W8A8_ROW(3) W8A8_ROW(4) W8A8_ROW(5)
     }
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nt; j++)
-            _mm512_storeu_si512((void *)(acc + (i * MAX_NT + j) * PANEL), sums[i][j]);
+    W8A8_STORE(0) W8A8_STORE(1) W8A8_STORE(2) W8A8_STORE(3) W8A8_STORE(4) W8A8_STORE(5)
 #elif defined(__AVX2__)
     /* Partial sums per (row, panel, quarter): quarter q holds columns 4q..4q+3, lane pairs
      * (k 0+1, k 2+3) of each; they are added once, after the last group (vphaddd). */
@@ -234,41 +253,6 @@ static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, i
 #endif
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* The full 6 x 4 tile with its 24 accumulators named one by one: as an array, gcc 12 keeps
- * only part of it in registers and stores and reloads the rest every k group (measured: 21%
- * of the VNNI peak at M = 256). */
-#define ROW_ZERO(i) __m512i c##i##0 = _mm512_setzero_si512(), c##i##1 = c##i##0, c##i##2 = c##i##0, \
-                            c##i##3 = c##i##0;
-#define ROW_FMA(i)                                                                             \
-    {                                                                                          \
-        int32_t four;                                                                          \
-        memcpy(&four, xq + i * stride_xq + g * KGROUP, sizeof four);                           \
-        const __m512i a = _mm512_set1_epi32(four);                                             \
-        c##i##0 = _mm512_dpbusd_epi32(c##i##0, a, b0);                                         \
-        c##i##1 = _mm512_dpbusd_epi32(c##i##1, a, b1);                                         \
-        c##i##2 = _mm512_dpbusd_epi32(c##i##2, a, b2);                                         \
-        c##i##3 = _mm512_dpbusd_epi32(c##i##3, a, b3);                                         \
-    }
-#define ROW_STORE(i)                                                                           \
-    _mm512_storeu_si512((void *)(acc + (i * MAX_NT + 0) * PANEL), c##i##0);                    \
-    _mm512_storeu_si512((void *)(acc + (i * MAX_NT + 1) * PANEL), c##i##1);                    \
-    _mm512_storeu_si512((void *)(acc + (i * MAX_NT + 2) * PANEL), c##i##2);                    \
-    _mm512_storeu_si512((void *)(acc + (i * MAX_NT + 3) * PANEL), c##i##3);
-
-static void w8a8_tile_6x4(const uint8_t *xq, int64_t stride_xq, const int8_t *w,
-                          int64_t panel_bytes, int64_t num_groups, int32_t *acc) {
-    ROW_ZERO(0) ROW_ZERO(1) ROW_ZERO(2) ROW_ZERO(3) ROW_ZERO(4) ROW_ZERO(5)
-    for (int64_t g = 0; g < num_groups; g++) {
-        const __m512i b0 = _mm512_loadu_si512((const void *)(w + g * 64));
-        const __m512i b1 = _mm512_loadu_si512((const void *)(w + panel_bytes + g * 64));
-        const __m512i b2 = _mm512_loadu_si512((const void *)(w + 2 * panel_bytes + g * 64));
-        const __m512i b3 = _mm512_loadu_si512((const void *)(w + 3 * panel_bytes + g * 64));
-        ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)
-    }
-    ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)
-}
-#endif
 
 /* Store n values of a row (vectorizes: no dtype branch inside the loop). */
 static inline void store_row(void *out, int dtype, int64_t offset, const float *y, int n) {
@@ -397,12 +381,7 @@ static inline __attribute__((always_inline)) void w8a8_block(
     const int32_t *w_comp, const float *bias, int silu_mul, void *out, int out_dtype,
     int64_t stride_out) {
     int32_t acc[MAX_MR * MAX_NT * PANEL] __attribute__((aligned(64)));
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (mr == 6 && nt == 4)
-        w8a8_tile_6x4(xq, stride_xq, w, panel_bytes, num_groups, acc);
-    else
-#endif
-        w8a8_tile(xq, stride_xq, w, panel_bytes, num_groups, mr, nt, acc);
+    w8a8_tile(xq, stride_xq, w, panel_bytes, num_groups, mr, nt, acc);
     w8a8_epilogue(acc, mr, nt, panel, N, x_scale, w_scale, w_comp, bias, silu_mul, out, out_dtype,
                   stride_out);
 }
@@ -644,39 +623,53 @@ static inline __m128 hsum4_ps(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_unpacklo_ps(ac, bd); /* [a, b, c, d] */
 }
 
-/* sums[i][j] = x[i] . w[j] for a tile, bf16 pairs multiplied into fp32 lanes. */
+/* sums[i][j] = x[i] . w[j] for a tile, bf16 pairs multiplied into fp32 lanes. The 24
+ * accumulators are named one by one, each row and column kept by the tile's shape (constants
+ * once inlined by the dispatch below): as an array, gcc 12 stored every accumulator to the
+ * stack each k step, 24 stores for 24 vdpbf16ps; on 2 vCPUs of an AVX512-BF16 Zen 4 the
+ * kernel ran 38-50 GFLOP/s a thread at M = 6..48 against oneDNN's 141-214 (L2-resident
+ * weights; `benchmarks.linear_kernels` has the engine's shapes). */
+#define BF16_ZERO(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = c##i##0, c##i##2 = c##i##0, \
+                             c##i##3 = c##i##0;
+#define BF16_ROW(i)                                                                            \
+    if (mr > i) {                                                                              \
+        const __m512bh a = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * stride_x + k);     \
+        c##i##0 = _mm512_dpbf16_ps(c##i##0, a, b0);                                            \
+        if (nr > 1) c##i##1 = _mm512_dpbf16_ps(c##i##1, a, b1);                                \
+        if (nr > 2) c##i##2 = _mm512_dpbf16_ps(c##i##2, a, b2);                                \
+        if (nr > 3) c##i##3 = _mm512_dpbf16_ps(c##i##3, a, b3);                                \
+    }
+#define BF16_SUMS(i)                                                                           \
+    if (mr > i) {                                                                              \
+        if (nr == DOT_TILE) {                                                                  \
+            _mm_storeu_ps(sums + i * DOT_TILE, hsum4_ps(c##i##0, c##i##1, c##i##2, c##i##3));  \
+        } else {                                                                               \
+            const __m512 row[3] = {c##i##0, c##i##1, c##i##2};                                 \
+            for (int j = 0; j < nr; j++) sums[i * DOT_TILE + j] = _mm512_reduce_add_ps(row[j]); \
+        }                                                                                      \
+    }
+
 static inline __attribute__((always_inline)) void dot_tile_bf16(const uint16_t *x,
                                                                 int64_t stride_x,
                                                                 const uint16_t *const *w_rows,
                                                                 int mr, int nr, int64_t K,
                                                                 float *sums) {
-    __m512 acc[BF16_DOT_ROWS][DOT_TILE];
-    for (int i = 0; i < mr; i++)
-        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+    BF16_ZERO(0) BF16_ZERO(1) BF16_ZERO(2) BF16_ZERO(3) BF16_ZERO(4) BF16_ZERO(5)
     for (int64_t k = 0; k < K; k += 32) {
         const __mmask32 mask = K - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
-        __m512i b[DOT_TILE];
-        for (int j = 0; j < nr; j++) {
+        __m512bh b[DOT_TILE];
+        for (int j = 0; j < DOT_TILE; j++) {
+            if (j >= nr) break;
             /* The next tile's rows, a tile ahead: single-stream decode of SmolLM2 (the weights
              * streamed from L3) went from 55 to 78 tok/s on an AMX Xeon (benchmarks.latency);
              * two tiles ahead gave 75. */
             _mm_prefetch((const char *)(w_rows[j] + DOT_TILE * K + k), _MM_HINT_T0);
-            b[j] = _mm512_maskz_loadu_epi16(mask, w_rows[j] + k);
+            b[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w_rows[j] + k);
         }
-        for (int i = 0; i < mr; i++) {
-            const __m512i a = _mm512_maskz_loadu_epi16(mask, x + i * stride_x + k);
-            for (int j = 0; j < nr; j++)
-                acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)a, (__m512bh)b[j]);
-        }
+        const __m512bh b0 = b[0], b1 = b[nr > 1], b2 = b[nr > 2 ? 2 : 0], b3 = b[nr > 3 ? 3 : 0];
+        BF16_ROW(0) BF16_ROW(1) BF16_ROW(2) BF16_ROW(3) BF16_ROW(4) BF16_ROW(5)
     }
-    for (int i = 0; i < mr; i++) {
-        if (nr == DOT_TILE) {
-            const __m128 four = hsum4_ps(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
-            _mm_storeu_ps(sums + i * DOT_TILE, four);
-            continue;
-        }
-        for (int j = 0; j < nr; j++) sums[i * DOT_TILE + j] = _mm512_reduce_add_ps(acc[i][j]);
-    }
+    BF16_SUMS(0) BF16_SUMS(1) BF16_SUMS(2) BF16_SUMS(3) BF16_SUMS(4) BF16_SUMS(5)
 }
 #define BF16_TILE(MR, NR)                                                                       \
     case MR * 8 + NR:                                                                           \
@@ -694,47 +687,70 @@ static void dot_tile_bf16_dispatch(const uint16_t *x, int64_t stride_x,
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* sums[i][j] = x[i] . w[j] for a tile in fp32 with AVX2 FMA, weight rows two at a time (8
- * accumulators, the x rows and two weight vectors fit the 16 ymm registers): each weight
+/* sums[i][j] = x[i] . w[j] for a tile in fp32 with AVX2 FMA, weight rows two at a time (12
+ * accumulators, an x row and two weight vectors fit the 16 ymm registers): each weight
  * vector is loaded once for all mr rows. The portable loop below did one dot product per
  * (row, column), so a multi-row step (a speculative verify step: 1 + k rows) cost nearly mr
  * single-row ones: 2 AVX2 cores, SmolLM2-135M's linear layers in fp32
  * (`benchmarks.linear_kernels`), M = 4 took 2.19x and M = 8 3.52x the time of M = 1; with
- * this tile 1.31x and 2.13x (M = 5: 1.50x; `results/linear_kernels-avx2-f32tile.md`). */
+ * this tile 1.31x and 2.13x (M = 5: 1.50x; `results/linear_kernels-avx2-f32tile.md`).
+ * The accumulators named one by one (c<row><column>), kept by the tile's shape (constants once
+ * inlined, `dot_tile_f32_dispatch`), as in dot_tile_bf16: as arrays, gcc 12 stored most
+ * shapes' accumulators to the stack every k step. */
+#define F32_ZERO(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = c##i##0;
+#define F32_ROW(i)                                                                             \
+    if (mr > i) {                                                                              \
+        __m256 a = _mm256_loadu_ps(x + i * stride_x + k);                                      \
+        /* keeps gcc 12 from loading every row's x up front (16 registers) */                  \
+        __asm__ volatile("" : "+x"(a));                                                        \
+        c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0);                                             \
+        if (nj > 1) c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);                                 \
+    }
+#define F32_SUMS(i)                                                                            \
+    if (mr > i) {                                                                              \
+        sums[i * DOT_TILE] = hsum8_dot_tail(c##i##0, x + i * stride_x, w_rows[0], k, K);       \
+        if (nj > 1)                                                                            \
+            sums[i * DOT_TILE + 1] = hsum8_dot_tail(c##i##1, x + i * stride_x, w_rows[1], k, K); \
+    }
+
+/* The lane sum of acc plus the products of k in [k_end, K) (K % 8 of them). */
+static inline float hsum8_dot_tail(__m256 acc, const float *x, const float *w, int64_t k_end,
+                                   int64_t K) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    float s = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+    for (int64_t t = k_end; t < K; t++) s += x[t] * w[t];
+    return s;
+}
+
+/* nj (1 or 2) columns of a tile. */
+static inline __attribute__((always_inline)) void dot_pair_f32_avx2(const float *x,
+                                                                    int64_t stride_x,
+                                                                    const float *const *w_rows,
+                                                                    int mr, int nj, int64_t K,
+                                                                    float *sums) {
+    F32_ZERO(0) F32_ZERO(1) F32_ZERO(2) F32_ZERO(3) F32_ZERO(4) F32_ZERO(5)
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        _mm_prefetch((const char *)(w_rows[0] + DOT_TILE * K + k), _MM_HINT_T0);
+        const __m256 b0 = _mm256_loadu_ps(w_rows[0] + k);
+        __m256 b1 = b0;
+        if (nj > 1) {
+            _mm_prefetch((const char *)(w_rows[1] + DOT_TILE * K + k), _MM_HINT_T0);
+            b1 = _mm256_loadu_ps(w_rows[1] + k);
+        }
+        F32_ROW(0) F32_ROW(1) F32_ROW(2) F32_ROW(3) F32_ROW(4) F32_ROW(5)
+    }
+    F32_SUMS(0) F32_SUMS(1) F32_SUMS(2) F32_SUMS(3) F32_SUMS(4) F32_SUMS(5)
+}
+
 static inline __attribute__((always_inline)) void dot_tile_f32_avx2(const float *x,
                                                                     int64_t stride_x,
                                                                     const float *const *w_rows,
                                                                     int mr, int nr, int64_t K,
                                                                     float *sums) {
-    for (int j0 = 0; j0 < nr; j0 += 2) {
-        const int nj = nr - j0 < 2 ? nr - j0 : 2;
-        __m256 acc[F32_DOT_ROWS][2];
-        for (int i = 0; i < mr; i++)
-            for (int j = 0; j < nj; j++) acc[i][j] = _mm256_setzero_ps();
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) {
-            __m256 b[2];
-            for (int j = 0; j < nj; j++) {
-                _mm_prefetch((const char *)(w_rows[j0 + j] + DOT_TILE * K + k), _MM_HINT_T0);
-                b[j] = _mm256_loadu_ps(w_rows[j0 + j] + k);
-            }
-            for (int i = 0; i < mr; i++) {
-                __m256 a = _mm256_loadu_ps(x + i * stride_x + k);
-                /* keeps gcc 12 from loading every row's x up front (16 registers) */
-                __asm__ volatile("" : "+x"(a));
-                for (int j = 0; j < nj; j++) acc[i][j] = _mm256_fmadd_ps(a, b[j], acc[i][j]);
-            }
-        }
-        for (int i = 0; i < mr; i++)
-            for (int j = 0; j < nj; j++) {
-                const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][j]),
-                                            _mm256_extractf128_ps(acc[i][j], 1));
-                const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-                float s = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-                for (int64_t t = k; t < K; t++) s += x[i * stride_x + t] * w_rows[j0 + j][t];
-                sums[i * DOT_TILE + j0 + j] = s;
-            }
-    }
+    dot_pair_f32_avx2(x, stride_x, w_rows, mr, nr < 2 ? nr : 2, K, sums);
+    if (nr > 2) dot_pair_f32_avx2(x, stride_x, w_rows + 2, mr, nr - 2, K, sums + 2);
 }
 #define F32_TILE(MR, NR)                                                                        \
     case MR * 8 + NR:                                                                           \

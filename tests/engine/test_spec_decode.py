@@ -184,6 +184,43 @@ def test_a_resumed_request_goes_on_with_drafts(target):
     assert_pool_free(llm)
 
 
+@pytest.mark.parametrize("short_max_tokens", [30, 8])
+def test_steps_of_disable_by_batch_size_requests_propose_nothing(target, short_max_tokens):
+    """Three requests against a threshold of 3: no drafts while all three run; once the short
+    one (8 tokens) is done, the other two verify drafts again. Outputs are the plain ones."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (30, 30, short_max_tokens)]  # fmt: skip
+    plain = LLM(str(target), dtype="float32").generate(PROMPTS[:3], params)
+    config = {**NGRAM, "disable_by_batch_size": 3}
+    llm = LLM(str(target), dtype="float32", speculative_config=config)
+    assert llm.llm_engine.engine_core.model_runner.disable_by_batch_size == 3
+    outputs = llm.generate(PROMPTS[:3], params)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    num_drafts = llm.llm_engine.get_stats().spec_decode_num_drafts
+    assert (num_drafts > 0) == (short_max_tokens < 30)
+    assert_pool_free(llm)
+
+
+def test_auto_disable_by_batch_size_applies_where_it_was_measured(monkeypatch):
+    """`"auto"` turns speculation off from 8 requests in bf16 on the vector unit of an
+    AVX512-BF16 CPU without AMX (the crossover measured there), and never elsewhere."""
+    from engine.kernels import cpu_build
+    from engine.spec_decode import auto_disable_by_batch_size
+
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(cpu_build, "has_amx_bf16", lambda: False)
+    assert auto_disable_by_batch_size(cpu, bf16, None) == 8
+    assert auto_disable_by_batch_size(cpu, torch.float32, None) is None
+    assert auto_disable_by_batch_size(cpu, bf16, "int8") is None
+    assert auto_disable_by_batch_size(torch.device("cuda"), bf16, None) is None
+    monkeypatch.setattr(cpu_build, "has_amx_bf16", lambda: True)
+    assert auto_disable_by_batch_size(cpu, bf16, None) is None
+    monkeypatch.setattr(cpu_build, "has_amx_bf16", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert auto_disable_by_batch_size(cpu, bf16, None) is None
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("k", [K, 5])
 def test_the_default_model_is_lossless(dtype, k):
@@ -379,6 +416,8 @@ def test_a_stop_inside_an_accepted_run_drops_the_tokens_after_it():
          "prompt_lookup_max"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
         ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+         "disable_by_batch_size"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": "never"},
          "disable_by_batch_size"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
         ({"num_speculative_tokens": 2}, "method"),
