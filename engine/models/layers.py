@@ -31,10 +31,13 @@ def cpu_float_kernel_max_tokens(dtype: torch.dtype) -> int:
     oneDNN: 0.76 at M = 1, 0.52 at 2, 0.72 at 4, 1.29 at 8, 1.95 at 16, 2.48 at 32. In bf16 on
     a CPU with AMX-BF16 the kernel multiplies up to 16 tokens on the tile unit in about one
     token's time (`cpu_linear.c`): on 2 vCPUs of an AMX Xeon, 6.4-6.6 ms at M = 8 and 16 where
-    oneDNN took 13-13.6. With AVX512-BF16 alone (vdpbf16ps), on 2 vCPUs of a Zen 4 EPYC with
-    every layer's weights of its own (read from DRAM, as in the engine), C / oneDNN: 0.66 at
-    M = 16, 0.82-0.87 at 32, 0.86-0.94 at 64, 1.11 at 96, 1.22-1.29 at 128; a step on torch's
-    matmul also runs its model in Python, 13.5 ms of a 32-sequence decode step's 88."""
+    oneDNN took 13-13.6. With AVX512-BF16 alone (vdpbf16ps), on 2 vCPUs of a Zen 4 EPYC, every
+    layer's weights of its own, read from DRAM as in the engine (`python -m
+    benchmarks.linear_kernels --per-layer-weights`, results/linear_kernels-zen4-per-layer.md),
+    C / oneDNN: 0.66 at M = 16, 0.96 at 32, 1.13 at 64, 1.41 at 128; a step on torch's matmul
+    also runs its model in Python, so whole decode steps (`benchmarks.profile_step`) of 32
+    sequences took 54 ms as graphs against 88 eager, of 64 sequences 89-94 against 99-137 eager
+    (the limit at 32, by hand)."""
     from engine.kernels.cpu_build import has_amx_bf16
 
     if dtype != torch.bfloat16 or not torch.cpu._is_avx512_bf16_supported():
