@@ -44,6 +44,17 @@ def has_amx_bf16() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
+def cpu_bf16_unit() -> str | None:
+    """What multiplies bf16 on this CPU: "amx" (the tile unit), "vector" (AVX512-BF16's
+    vdpbf16ps on the vector unit), or None (bf16 widened to fp32 first). Kernel limits and
+    speculation's threshold were measured per unit, since their crossovers differ."""
+    import torch
+
+    if not torch.cpu._is_avx512_bf16_supported():
+        return None
+    return "amx" if has_amx_bf16() else "vector"
+
+
 def _cpu_signature() -> str:
     """What `-march=native` depends on: a library built for another CPU may not run here."""
     try:

@@ -38,11 +38,10 @@ def cpu_float_kernel_max_tokens(dtype: torch.dtype) -> int:
     also runs its model in Python, so whole decode steps (`benchmarks.profile_step`) of 32
     sequences took 54 ms as graphs against 88 eager, of 64 sequences 89-94 against 99-137 eager
     (the limit at 32, by hand)."""
-    from engine.kernels.cpu_build import has_amx_bf16
+    from engine.kernels.cpu_build import cpu_bf16_unit
 
-    if dtype != torch.bfloat16 or not torch.cpu._is_avx512_bf16_supported():
-        return 8
-    return 16 if has_amx_bf16() else 64
+    unit = cpu_bf16_unit() if dtype == torch.bfloat16 else None
+    return {None: 8, "amx": 16, "vector": 64}[unit]
 
 
 @dataclass(frozen=True)

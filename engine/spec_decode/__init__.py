@@ -29,12 +29,7 @@ def auto_disable_by_batch_size(
     0.94x); the AMX Xeon in bf16 1.04-1.15x at 32, where oneDNN's tiles multiply the rows;
     not measured with int8 weights or on CUDA.
     """
-    from engine.kernels.cpu_build import has_amx_bf16
+    from engine.kernels.cpu_build import cpu_bf16_unit
 
-    vector_bf16 = (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.cpu._is_avx512_bf16_supported()
-        and not has_amx_bf16()
-    )
+    vector_bf16 = device.type == "cpu" and dtype == torch.bfloat16 and cpu_bf16_unit() == "vector"
     return 8 if vector_bf16 and quantization is None else None
