@@ -171,10 +171,11 @@ def weight_bytes(model: Any) -> int:
             if name in module._non_persistent_buffers_set:
                 continue  # rotary tables: derived, not weights
             add(tensor)
-        packed = getattr(module, "packed", None)
+        packed = getattr(module, "packed", None)  # PackedInt8Weight, PackedBf16Weight
         if packed is not None:
-            for tensor in (packed.packed, packed.scale, packed.comp, packed.bias):
-                add(tensor)
+            for value in vars(packed).values():
+                if isinstance(value, torch.Tensor):
+                    add(value)
     return total
 
 

@@ -1,8 +1,11 @@
-"""The CPU's linear layers side by side: torch's matmul, kvrail's C float and C W8A8 kernels.
+"""The CPU's linear layers side by side: torch's matmul, kvrail's C float, packed bf16 and
+W8A8 kernels.
 
 Unquantized steps of at most `engine.models.layers.cpu_float_kernel_max_tokens` tokens run the
 C float kernel (and can then be recorded into a CPU graph); larger ones run torch's matmul
-(oneDNN). `quantization="int8"` runs the C W8A8 kernel at every size. This times one forward
+(oneDNN). In bf16 on an AVX512-BF16 CPU without AMX, the packed bf16 kernel runs every step
+instead (`C packed bf16`, timed wherever the CPU has AVX512-BF16 and activations are bf16).
+`quantization="int8"` runs the C W8A8 kernel at every size. This times one forward
 pass's worth of the model's linear layers (the engine's fused shapes: qkv, o, gate_up, down
 per layer, then the LM head) each way at each `--num-tokens`, alternating the systems within
 each round, and reports the medians and their ratios to torch's matmul. `torch _int_mm` is a
@@ -28,7 +31,7 @@ from typing import Any
 
 from benchmarks.common import fmt, markdown_table, write_results
 
-SYSTEMS = ("torch matmul", "C float", "C int8", "torch _int_mm")
+SYSTEMS = ("torch matmul", "C float", "C packed bf16", "C int8", "torch _int_mm")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,7 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig
 
     from engine import resolve_model
-    from engine.kernels.cpu_linear import linear_float, linear_w8a8, pack_int8
+    from engine.kernels.cpu_linear import (
+        linear_bf16_packed,
+        linear_float,
+        linear_w8a8,
+        pack_bf16,
+        pack_int8,
+    )
     from engine.kernels.int8_ref import quantize_rows_int8
     from engine.model_runner import resolve_dtype
 
@@ -90,13 +99,22 @@ def main(argv: list[str] | None = None) -> int:
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     float_kernel = lambda x, w: linear_float(x, w, None)  # noqa: E731
     int_mm = lambda x, w: torch._int_mm(w[0], w[1])  # noqa: E731  (x: only its shape counts)
-    runs = dict(zip(SYSTEMS, (F.linear, float_kernel, linear_w8a8, int_mm), strict=True))
+    runs = dict(
+        zip(SYSTEMS, (F.linear, float_kernel, linear_bf16_packed, linear_w8a8, int_mm), strict=True)
+    )
+    packed_bf16 = dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported()
+    systems = [name for name in SYSTEMS if name != "C packed bf16" or packed_bf16]
 
     def matrices(n_in: int, n_out: int) -> dict[str, Any]:
         w = torch.randn(n_out, n_in, dtype=dtype) * n_in**-0.5
         w_q, w_scale = quantize_rows_int8(w)
-        packed = pack_int8(w_q, w_scale, None, False)
-        return dict(zip(SYSTEMS, (w, w, packed, w_q.t().contiguous()), strict=True))
+        return {
+            "torch matmul": w,
+            "C float": w,
+            "C packed bf16": pack_bf16(w, None, False) if packed_bf16 else None,
+            "C int8": pack_int8(w_q, w_scale, None, False),
+            "torch _int_mm": w_q.t().contiguous(),
+        }
 
     weights = [
         ([matrices(n_in, n_out) for _ in range(count if args.per_layer_weights else 1)], count)
@@ -111,25 +129,25 @@ def main(argv: list[str] | None = None) -> int:
                 x_q = torch.randint(-127, 128, x.shape, dtype=torch.int8)
                 ws = [{**w, "torch _int_mm": (x_q, w["torch _int_mm"])} for w in ws]
                 work.append((x, ws, count))
-            times: dict[str, list[float]] = {name: [] for name in SYSTEMS}
-            for name in SYSTEMS:  # warm-up: first calls pick kernels
+            times: dict[str, list[float]] = {name: [] for name in systems}
+            for name in systems:  # warm-up: first calls pick kernels
                 time_pass(runs[name], work, name)
             for _ in range(args.rounds):
-                for name in SYSTEMS:
+                for name in systems:
                     times[name].append(time_pass(runs[name], work, name))
             ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
             results.append(dict(num_tokens=num_tokens, ms=ms))
     rows = [
         [r["num_tokens"]]
-        + [fmt(r["ms"][name], 2) for name in SYSTEMS]
-        + [fmt(r["ms"][name] / r["ms"]["torch matmul"], 2) for name in SYSTEMS[1:]]
+        + [fmt(r["ms"][name], 2) for name in systems]
+        + [fmt(r["ms"][name] / r["ms"]["torch matmul"], 2) for name in systems[1:]]
         for r in results
     ]
-    headers = ["tokens (M)", *(f"{n} ms" for n in SYSTEMS), *(f"{n} / torch" for n in SYSTEMS[1:])]
+    headers = ["tokens (M)", *(f"{n} ms" for n in systems), *(f"{n} / torch" for n in systems[1:])]
     num_matmuls = sum(count for *_, count in engine_shapes(config))
     markdown = "\n\n".join(
         [
-            "# Linear layers on the CPU: torch matmul, C float, C int8 (W8A8), torch _int_mm",
+            f"# Linear layers on the CPU: {', '.join(systems)}",
             f"One forward pass's linear layers ({num_matmuls} matmuls, the engine's fused "
             f"shapes; {'a matrix per layer' if args.per_layer_weights else 'a matrix per shape'}"
             f"), activations in {dtype}, {torch.get_num_threads()} threads, "

@@ -322,7 +322,8 @@ def report(
         f" {args.max_num_batched_tokens}, KV pool {args.kv_cache_memory_bytes / 2**30:g} GiB,"
         f" {default['num_preemptions']} preemptions; each configuration in a fresh process,"
         f" {args.rounds} round(s) in rotating order, median seconds.",
-        f"Compute limit: {compute['dtype']} matmuls (the faster dtype here) on the model's"
+        f"Compute limit: {compute['dtype']} matmuls (the faster dtype here; the faster of torch's"
+        " matmul and, in bf16 with AVX512-BF16, kvrail's packed kernel) on the model's"
         f" shapes at M={args.matmul_tokens} rows ran at {compute['matmul_gflops']:.0f} GFLOP/s;"
         " the model costs"
         f" {compute['gflop_per_token']:.3f} GFLOP/token (the compute-limit row is the default"

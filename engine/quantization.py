@@ -57,6 +57,7 @@ class QuantizedLinearMethod(LinearMethod):
     ) -> None:
         super().__init__(kernels, dtype)
         self.device = device
+        self.packs_bf16 = False  # weights take this method's own format
 
     def quantize_rows(self, weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -130,16 +131,16 @@ class Int8LinearMethod(QuantizedLinearMethod):
     def embed(self, layer: Linear, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.device.type != "cpu":
             return super().embed(layer, input_ids, dtype)
-        from engine.kernels.cpu_ops import embedding_int8
+        from engine.kernels.cpu_ops import embedding_packed
 
-        return embedding_int8(
+        return embedding_packed(
             input_ids,
             layer.packed.packed,
-            layer.packed.scale,
-            getattr(layer, "embed_col_scale", None),
             layer.out_features,
             layer.in_features,
             dtype,
+            layer.packed.scale,
+            getattr(layer, "embed_col_scale", None),
         )
 
 

@@ -1,7 +1,7 @@
 /* Linear layers on the CPU: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), optionally followed by
  * SiLU-and-multiply of column pairs (the MLP's gate and up projections in one call).
  *
- * Two kernels, one per weight format:
+ * Three kernels, one per weight format:
  *
  * - W8A8 (`kvrail_linear_w8a8`): int8 weights, symmetric per output channel, and int8
  *   activations quantized per token inside the call (scale = max|x| / 127), int32
@@ -14,11 +14,14 @@
  *   contiguous range of panels, so at M = 1 every weight byte is streamed once, by one
  *   thread, in order, and at large M a 4-panel slice (64 x K bytes) stays in L2 while every
  *   row passes over it.
- * - Float (`kvrail_linear_f32`, `kvrail_linear_bf16`): plain [N, K] weights (the layout
- *   torch's own matmul reads, so nothing is stored twice), for small M only, where
- *   oneDNN's matmul streams bf16 weights at half the memory bandwidth (measured: 21 GB/s at
- *   M = 1). Each output is a dot product along k (AVX512-BF16 vdpbf16ps where present),
- *   tiles of up to 6 rows x 4 columns, reduced horizontally once per tile.
+ * - Packed bf16 (`kvrail_linear_bf16_packed`, AVX512-BF16): bf16 weights packed as the int8
+ *   ones are, pairs of k where int8 has groups of 4, multiplied by vdpbf16ps against a
+ *   broadcast pair of activations; for every M where the CPU has no AMX tile unit.
+ * - Float (`kvrail_linear_float`): plain [N, K] weights (the layout torch's own matmul
+ *   reads, so nothing is stored twice), for small M only, where oneDNN's matmul streams the
+ *   weights at half the memory bandwidth (measured: 21 GB/s at M = 1). Each output is a dot
+ *   product along k (AVX512-BF16 vdpbf16ps where present), tiles of up to 6 rows x 4
+ *   columns, reduced horizontally once per tile.
  *
  * With AMX-INT8 (Xeons since Sapphire Rapids), blocks of 32 (or 16) rows x 2 panels run on
  * the tile unit instead: a B tile is 16 consecutive groups of a panel as packed (16 rows of
@@ -287,6 +290,24 @@ static inline __m512 silu_mul16(__m512 gate, __m512 up) {
     return _mm512_mul_ps(_mm512_mul_ps(gate, _mm512_mask_mul_ps(s, negative, s, e)), up);
 }
 
+/* One row of a tile's outputs, y[j] the 16 columns of panel `panel` + j (with silu_mul, pairs
+ * (gate, up) give one output panel each), stored at element `offset` of `out` on. */
+static inline void store_panels(__m512 *y, int nt, int64_t panel, int64_t N, int silu_mul,
+                                void *out, int out_dtype, int64_t offset) {
+    const int num_out = silu_mul ? nt / 2 : nt; /* output panels */
+    const int64_t first = (silu_mul ? panel / 2 : panel) * PANEL;
+    if (silu_mul)
+        for (int j = 0; j < num_out; j++) y[j] = silu_mul16(y[2 * j], y[2 * j + 1]);
+    for (int j = 0; j < num_out; j++) {
+        const int64_t column = first + j * PANEL;
+        const __mmask16 mask = lanes_below(N - column);
+        if (out_dtype == KVRAIL_BF16)
+            store16_u16((uint16_t *)out + offset + column, mask, (__m256i)_mm512_cvtneps_pbh(y[j]));
+        else
+            store16_f32((float *)out + offset + column, mask, y[j]);
+    }
+}
+
 static inline void w8a8_epilogue(const int32_t *acc, int mr, int nt, int64_t panel, int64_t N,
                                  const float *x_scale, const float *w_scale, const int32_t *w_comp,
                                  const float *bias, int silu_mul, void *out, int out_dtype,
@@ -298,8 +319,6 @@ static inline void w8a8_epilogue(const int32_t *acc, int mr, int nt, int64_t pan
         scale[j] = _mm512_loadu_ps(w_scale + (panel + j) * PANEL);
         b[j] = bias ? _mm512_loadu_ps(bias + (panel + j) * PANEL) : _mm512_setzero_ps();
     }
-    const int num_out = silu_mul ? nt / 2 : nt; /* output panels */
-    const int64_t first = (silu_mul ? panel / 2 : panel) * PANEL;
     for (int i = 0; i < mr; i++) {
         const int32_t *row = acc + i * MAX_NT * PANEL;
         const __m512 xs = _mm512_set1_ps(x_scale[i]);
@@ -308,17 +327,7 @@ static inline void w8a8_epilogue(const int32_t *acc, int mr, int nt, int64_t pan
             const __m512i sums = _mm512_sub_epi32(_mm512_loadu_si512(row + j * PANEL), comp[j]);
             y[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(xs, scale[j]), b[j]);
         }
-        if (silu_mul)
-            for (int j = 0; j < num_out; j++) y[j] = silu_mul16(y[2 * j], y[2 * j + 1]);
-        for (int j = 0; j < num_out; j++) {
-            const int64_t column = first + j * PANEL;
-            const __mmask16 mask = lanes_below(N - column);
-            if (out_dtype == KVRAIL_BF16)
-                store16_u16((uint16_t *)out + i * stride_out + column, mask,
-                            (__m256i)_mm512_cvtneps_pbh(y[j]));
-            else
-                store16_f32((float *)out + i * stride_out + column, mask, y[j]);
-        }
+        store_panels(y, nt, panel, N, silu_mul, out, out_dtype, i * stride_out);
     }
 }
 #else
@@ -566,6 +575,114 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
     if (amx_rows) _tile_release();
 #endif
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* bf16 weights packed as the int8 ones are, in panels of 16 output columns, with pairs of
+ * consecutive k where int8 has groups of 4: one 64-byte vector is 16 columns x 2 k, what
+ * vdpbf16ps multiplies by a broadcast pair of activations into 16 fp32 sums. Tiles of up to 6
+ * rows x 4 panels, each thread a contiguous range of panels, as in kvrail_linear_w8a8; no sum
+ * is reduced across lanes (the dot-product tiles of kvrail_linear_float reduce 24 per tile).
+ * A row's sums are added in the same order whatever the tile's shape, so a row's outputs do
+ * not depend on M. Against oneDNN's bf16 matmul (torch 2.13) and the dot-product tiles on 2
+ * vCPUs of an AVX512-BF16 Zen 4 EPYC, SmolLM2-135M's 121 linears with a weight of their own
+ * each, from DRAM (`python -m benchmarks.linear_kernels --per-layer-weights`,
+ * results/linear_kernels-zen4-packed.md): see cpu_float_kernel_max_tokens. */
+#define PAIR_ZERO(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = c##i##0, c##i##2 = c##i##0, \
+                             c##i##3 = c##i##0;
+/* Row i's pair g of activations (`bytes` of it: of an odd K the last "pair" is one element
+ * and a zero). */
+#define PAIR_ROW(i, bytes)                                                                     \
+    if (mr > i) {                                                                              \
+        int32_t two = 0;                                                                       \
+        memcpy(&two, x + i * stride_x + 2 * g, bytes);                                         \
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(two);                                   \
+        c##i##0 = _mm512_dpbf16_ps(c##i##0, a, b0);                                            \
+        if (nt > 1) c##i##1 = _mm512_dpbf16_ps(c##i##1, a, b1);                                \
+        if (nt > 2) c##i##2 = _mm512_dpbf16_ps(c##i##2, a, b2);                                \
+        if (nt > 3) c##i##3 = _mm512_dpbf16_ps(c##i##3, a, b3);                                \
+    }
+/* Pair g of the nt panels against every row's pair g. */
+#define PAIR_STEP(bytes)                                                                       \
+    {                                                                                          \
+        __m512bh w_pairs[MAX_NT];                                                              \
+        for (int j = 0; j < MAX_NT; j++) {                                                     \
+            if (j >= nt) break;                                                                \
+            w_pairs[j] = (__m512bh)_mm512_loadu_si512(w + j * panel_elems + g * 32);           \
+        }                                                                                      \
+        const __m512bh b0 = w_pairs[0], b1 = w_pairs[nt > 1], b2 = w_pairs[nt > 2 ? 2 : 0],   \
+                       b3 = w_pairs[nt > 3 ? 3 : 0];                                           \
+        PAIR_ROW(0, bytes) PAIR_ROW(1, bytes) PAIR_ROW(2, bytes) PAIR_ROW(3, bytes)            \
+        PAIR_ROW(4, bytes) PAIR_ROW(5, bytes)                                                  \
+    }
+#define PAIR_STORE(i)                                                                          \
+    if (mr > i) {                                                                              \
+        __m512 y[MAX_NT] = {c##i##0, c##i##1, c##i##2, c##i##3};                               \
+        for (int j = 0; j < nt; j++) y[j] = _mm512_add_ps(y[j], b[j]);                         \
+        store_panels(y, nt, panel, N, silu_mul, out, out_dtype, i * stride_out);               \
+    }
+
+/* Rows 0..mr-1 of x against nt panels from `panel` on: sums, bias, activation, stores. */
+static inline __attribute__((always_inline)) void pair_tile(
+    const uint16_t *x, int64_t stride_x, const uint16_t *w, int64_t panel_elems,
+    int64_t num_pairs, int odd, int mr, int nt, int64_t panel, int64_t N, const float *bias,
+    int silu_mul, void *out, int out_dtype, int64_t stride_out) {
+    PAIR_ZERO(0) PAIR_ZERO(1) PAIR_ZERO(2) PAIR_ZERO(3) PAIR_ZERO(4) PAIR_ZERO(5)
+    int64_t g = 0;
+    for (; g < num_pairs; g++) PAIR_STEP(4)
+    if (odd) PAIR_STEP(2)
+    __m512 b[MAX_NT];
+    for (int j = 0; j < nt; j++)
+        b[j] = bias ? _mm512_loadu_ps(bias + (panel + j) * PANEL) : _mm512_setzero_ps();
+    PAIR_STORE(0) PAIR_STORE(1) PAIR_STORE(2) PAIR_STORE(3) PAIR_STORE(4) PAIR_STORE(5)
+}
+
+#define PAIR_CASE(MR, NT)                                                                      \
+    case MR * 8 + NT:                                                                          \
+        pair_tile(x, stride_x, w, panel_elems, num_pairs, odd, MR, NT, panel, N, bias, silu_mul, \
+                  out, out_dtype, stride_out);                                                 \
+        break;
+#define PAIR_CASES(MR) PAIR_CASE(MR, 1) PAIR_CASE(MR, 2) PAIR_CASE(MR, 3) PAIR_CASE(MR, 4)
+
+static void pair_dispatch(const uint16_t *x, int64_t stride_x, const uint16_t *w,
+                          int64_t panel_elems, int64_t num_pairs, int odd, int mr, int nt,
+                          int64_t panel,
+                          int64_t N, const float *bias, int silu_mul, void *out, int out_dtype,
+                          int64_t stride_out) {
+    switch (mr * 8 + nt) {
+        PAIR_CASES(1) PAIR_CASES(2) PAIR_CASES(3) PAIR_CASES(4) PAIR_CASES(5) PAIR_CASES(6)
+    }
+}
+
+struct kvrail_bf16_packed_args {
+    const uint16_t *x;        /* [num_tokens, in_features] bf16, row stride stride_x */
+    const uint16_t *w_packed; /* [num_panels][k_padded / 2][16][2] (cpu_linear.pack_bf16): */
+                              /* k_padded = in_features rounded up to even, zeros past it */
+    const float *bias;        /* [num_panels * 16] or NULL */
+    void *out;                /* [num_tokens, out_features], row stride stride_out */
+    int64_t out_dtype, num_tokens, num_panels, in_features;
+    int64_t silu_mul;         /* panel 2p gate, 2p + 1 up: out = silu(gate) * up */
+    int64_t out_features, stride_x, stride_out;
+};
+
+/* out = x w^T (+ bias): every thread multiplies all rows by its range of panels. */
+void kvrail_linear_bf16_packed(const struct kvrail_bf16_packed_args *a, int tid,
+                               int num_threads) {
+    const int64_t M = a->num_tokens, K = a->in_features, panel_elems = (K + K % 2) * PANEL;
+    const int64_t out_size = dtype_size(a->out_dtype);
+    int64_t begin, end;
+    thread_range(a->num_panels, a->silu_mul ? 2 : 1, tid, num_threads, &begin, &end);
+    for (int64_t p = begin; p < end; p += MAX_NT) {
+        const int nt = end - p < MAX_NT ? (int)(end - p) : MAX_NT;
+        for (int64_t m = 0; m < M; m += MAX_MR) {
+            const int mr = M - m < MAX_MR ? (int)(M - m) : MAX_MR;
+            pair_dispatch(a->x + m * a->stride_x, a->stride_x, a->w_packed + p * panel_elems,
+                          panel_elems, K / 2, (int)(K % 2), mr, nt, p, a->out_features, a->bias,
+                          (int)a->silu_mul, (char *)a->out + m * a->stride_out * out_size,
+                          (int)a->out_dtype, a->stride_out);
+        }
+    }
+}
+#endif
 
 /* Float linear for small M over plain [N, K] weights (row stride K): a dot product per
  * output along k, tiles of up to 6 rows x 4 columns. silu_mul: W holds [gate; up]

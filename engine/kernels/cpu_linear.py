@@ -1,15 +1,20 @@
-"""Linear layers on the CPU: W8A8 int8 for every batch size, and float GEMV for small ones.
+"""Linear layers on the CPU: W8A8 int8 and packed bf16 for every batch size, and float GEMV
+for small ones.
 
 Launchers of `cpu_linear.c` (see its header for the kernels) and their PyTorch references.
 `pack_int8` lays int8 weights out for the W8A8 kernel once, at load; `linear_w8a8` then
 quantizes each token's activations, multiplies in int8 and dequantizes in one call.
-`linear_float` is the float kernel for the few-token steps of single-stream decode, where
-oneDNN's bf16 matmul reads the weights at half the memory bandwidth.
+`pack_bf16` lays bf16 weights out the same way for `linear_bf16_packed` (AVX512-BF16), which
+beats oneDNN's bf16 matmul at every batch size where the CPU has no AMX tile unit.
+`linear_float` is the float kernel over plain weights for the few-token steps of
+single-stream decode elsewhere, where oneDNN's matmul reads the weights at half the memory
+bandwidth.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +52,25 @@ class W8A8Args(ctypes.Structure):  # struct kvrail_w8a8_args
                 "k_padded",
                 "silu_mul",
                 "out_features",
+                "stride_out",
+            )
+        ],
+    ]
+
+
+class Bf16PackedArgs(ctypes.Structure):  # struct kvrail_bf16_packed_args
+    _fields_ = [
+        *[(name, _P) for name in ("x", "w_packed", "bias", "out")],
+        *[
+            (name, _I64)
+            for name in (
+                "out_dtype",
+                "num_tokens",
+                "num_panels",
+                "in_features",
+                "silu_mul",
+                "out_features",
+                "stride_x",
                 "stride_out",
             )
         ],
@@ -100,18 +124,18 @@ def packed_rows(num_rows: int, silu_mul: bool) -> torch.Tensor:
     return rows.flatten()
 
 
-def pack_int8(
-    weight_q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool
-) -> PackedInt8Weight:
-    """weight_q `[N_w, K]` int8, scale `[N_w]` (per row), bias `[N_w]` or None."""
-    num_rows, in_features = weight_q.shape
+def _pack_columns(
+    weight: torch.Tensor, silu_mul: bool, k_padded: int
+) -> tuple[torch.Tensor, Callable[[torch.Tensor | None, torch.dtype], torch.Tensor | None]]:
+    """weight `[N_w, K]` as `[columns, k_padded]` in packed column order (`packed_rows`; zeros
+    in the padding), and what puts per-row values `[N_w]` in that order (None stays None)."""
+    num_rows, in_features = weight.shape
     if silu_mul and num_rows % 2:
         raise ValueError("a gate/up weight needs an even number of rows")
     rows = packed_rows(num_rows, silu_mul)
     valid = rows >= 0
-    k_padded = -(-in_features // K_ALIGN) * K_ALIGN
-    w = torch.zeros((len(rows), k_padded), dtype=torch.int8)
-    w[valid, :in_features] = weight_q[rows[valid]]
+    w = torch.zeros((len(rows), k_padded), dtype=weight.dtype)
+    w[valid, :in_features] = weight[rows[valid]]
 
     def column(values: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
         if values is None:
@@ -120,11 +144,52 @@ def pack_int8(
         out[valid] = values[rows[valid]].to(dtype)
         return out
 
-    packed = w.view(-1, PANEL, k_padded // KGROUP, KGROUP).permute(0, 2, 1, 3).contiguous()
+    return w, column
+
+
+def _panels(w: torch.Tensor, group: int) -> torch.Tensor:
+    """`[columns, k]` -> `[columns / 16, k / group, 16, group]`: a panel's 16 columns side by
+    side, `group` consecutive k in each 32-bit lane."""
+    return w.view(-1, PANEL, w.shape[1] // group, group).permute(0, 2, 1, 3).contiguous()
+
+
+def pack_int8(
+    weight_q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool
+) -> PackedInt8Weight:
+    """weight_q `[N_w, K]` int8, scale `[N_w]` (per row), bias `[N_w]` or None."""
+    num_rows, in_features = weight_q.shape
+    k_padded = -(-in_features // K_ALIGN) * K_ALIGN
+    w, column = _pack_columns(weight_q, silu_mul, k_padded)
     return PackedInt8Weight(
-        packed=packed,
+        packed=_panels(w, KGROUP),
         scale=column(scale, torch.float32),
         comp=(128 * w.sum(dim=1, dtype=torch.int32)).to(torch.int32),
+        bias=column(bias, torch.float32),
+        out_features=num_rows // 2 if silu_mul else num_rows,
+        in_features=in_features,
+        silu_mul=silu_mul,
+    )
+
+
+@dataclass
+class PackedBf16Weight:
+    """A bf16 weight laid out for `linear_bf16_packed`; columns are in packed order."""
+
+    packed: torch.Tensor  # [num_panels, k_padded // 2, 16, 2] bfloat16, K rounded up to even
+    bias: torch.Tensor | None  # [num_panels * 16] float32
+    out_features: int  # N of the result (half the rows with silu_mul)
+    in_features: int  # K
+    silu_mul: bool  # rows are [gate; up]; the result is silu(x gate^T) * (x up^T)
+
+
+def pack_bf16(weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> PackedBf16Weight:
+    """weight `[N_w, K]` bfloat16, bias `[N_w]` or None."""
+    num_rows, in_features = weight.shape
+    if weight.dtype != torch.bfloat16:
+        raise ValueError(f"pack_bf16 takes a bfloat16 weight, got {weight.dtype}")
+    w, column = _pack_columns(weight, silu_mul, in_features + in_features % 2)
+    return PackedBf16Weight(
+        packed=_panels(w, 2),
         bias=column(bias, torch.float32),
         out_features=num_rows // 2 if silu_mul else num_rows,
         in_features=in_features,
@@ -178,6 +243,37 @@ def linear_w8a8(x: torch.Tensor, weight: PackedInt8Weight) -> torch.Tensor:
         stride_out=out.stride(0),
     )
     launch("kvrail_linear_w8a8", multiply, x_q, x_scale, weight, out)
+    return out
+
+
+def linear_bf16_packed(
+    x: torch.Tensor, weight: PackedBf16Weight, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """x `[M, K]` bfloat16 -> `[M, N]` in `out_dtype`: bfloat16 (None) or float32, the sums
+    unrounded."""
+    _check_activations(x, weight.in_features)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bfloat16, got {x.dtype}")
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+    out = empty((x.shape[0], weight.out_features), out_dtype)
+    if x.shape[0]:
+        args = Bf16PackedArgs(
+            x=x.data_ptr(),
+            w_packed=weight.packed.data_ptr(),
+            bias=ptr(weight.bias),
+            out=out.data_ptr(),
+            out_dtype=dtype_code(out_dtype),
+            num_tokens=x.shape[0],
+            num_panels=weight.packed.shape[0],
+            in_features=weight.in_features,
+            silu_mul=weight.silu_mul,
+            out_features=weight.out_features,
+            stride_x=x.stride(0),
+            stride_out=out.stride(0),
+        )
+        launch("kvrail_linear_bf16_packed", args, x, weight, out)
     return out
 
 

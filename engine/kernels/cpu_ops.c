@@ -14,12 +14,13 @@
 
 struct kvrail_embedding_args {
     const int64_t *ids;       /* [num_tokens] */
-    const void *weight;       /* [vocab, hidden] float rows, or an int8 packed LM head */
+    const void *weight;       /* [vocab, hidden] float rows, or a packed LM head */
     const float *row_scale;   /* int8: [>= vocab] scale of each row; else NULL */
     const float *col_scale;   /* int8: [hidden] multiplier of each column, or NULL */
     void *out;                /* [num_tokens, hidden], contiguous */
-    int64_t weight_dtype;     /* KVRAIL_F32 / KVRAIL_BF16, or -1: int8 packed in panels of 16
-                                 rows x groups of 4 columns (cpu_linear.pack_int8) */
+    int64_t weight_dtype;     /* KVRAIL_F32 / KVRAIL_BF16, or packed in panels of 16 rows:
+                                 -1 int8 in groups of 4 columns (cpu_linear.pack_int8), -2 bf16
+                                 in pairs (cpu_linear.pack_bf16) */
     int64_t out_dtype, num_tokens, hidden, k_padded, vocab;
 };
 
@@ -37,8 +38,15 @@ void kvrail_embedding(const struct kvrail_embedding_args *a, int tid, int num_th
                             load_float(a->weight, (int)a->weight_dtype, id * a->hidden + k));
             continue;
         }
-        const int8_t *panel = (const int8_t *)a->weight + (id / 16) * a->k_padded * 16;
         const int64_t c = id % 16;
+        if (a->weight_dtype == -2) {
+            const uint16_t *panel = (const uint16_t *)a->weight + (id / 16) * a->k_padded * 16;
+            for (int64_t k = 0; k < a->hidden; k++)
+                store_float(a->out, (int)a->out_dtype, out_row + k,
+                            bf16_to_f32(panel[(k / 2) * 32 + c * 2 + k % 2]));
+            continue;
+        }
+        const int8_t *panel = (const int8_t *)a->weight + (id / 16) * a->k_padded * 16;
         for (int64_t k = 0; k < a->hidden; k++) {
             float v = panel[(k / 4) * 64 + c * 4 + k % 4] * a->row_scale[id];
             if (a->col_scale) v *= a->col_scale[k];

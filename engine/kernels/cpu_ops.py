@@ -64,26 +64,29 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> to
     return out
 
 
-def embedding_int8(
+def embedding_packed(
     ids: torch.Tensor,
     packed: torch.Tensor,
-    row_scale: torch.Tensor,
-    col_scale: torch.Tensor | None,
     vocab: int,
     hidden: int,
     dtype: torch.dtype,
+    row_scale: torch.Tensor | None = None,
+    col_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rows of an int8 LM head packed by `cpu_linear.pack_int8` (tied embeddings):
+    """Rows of an LM head packed by `cpu_linear` (tied embeddings): int8 by `pack_int8`,
     `packed` `[panels, k_padded // 4, 16, 4]`, row_scale `[>= vocab]`, col_scale `[hidden]`
-    (or None) multiplies each column."""
+    (or None) multiplies each column; or bfloat16 by `pack_bf16`, `[panels, hidden // 2, 16,
+    2]`, no scales."""
+    if (packed.dtype == torch.int8) != (row_scale is not None):
+        raise ValueError("an int8 packed head takes row_scale; a bfloat16 one no scales")
     out = empty((ids.shape[0], hidden), dtype)
     args = EmbeddingArgs(
         ids=ids.data_ptr(),
         weight=packed.data_ptr(),
-        row_scale=row_scale.data_ptr(),
+        row_scale=ptr(row_scale),
         col_scale=ptr(col_scale),
         out=out.data_ptr(),
-        weight_dtype=-1,
+        weight_dtype=-1 if packed.dtype == torch.int8 else -2,
         out_dtype=dtype_code(dtype),
         num_tokens=ids.shape[0],
         hidden=hidden,

@@ -22,26 +22,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# A step-size limit that no step reaches: the C kernels serve every batch size.
+ALL_TOKENS = 1 << 30
+
 
 def cpu_float_kernel_max_tokens(dtype: torch.dtype) -> int:
-    """Steps of at most this many tokens use the C float kernel for unquantized linear layers
-    on the CPU (so that a decode graph can record them); larger ones use torch's matmul
-    (oneDNN), which reaches the compute peak there. Measured on a 2-vCPU AVX2 EPYC in fp32, the
-    121 linear layers of a SmolLM2-135M pass (`python -m benchmarks.linear_kernels`), C /
+    """Steps of at most this many tokens use C kernels for unquantized linear layers on the
+    CPU (so that a decode graph can record them); larger ones use torch's matmul (oneDNN),
+    which reaches the compute peak there. Measured on a 2-vCPU AVX2 EPYC in fp32, the 121
+    linear layers of a SmolLM2-135M pass (`python -m benchmarks.linear_kernels`), C float /
     oneDNN: 0.76 at M = 1, 0.52 at 2, 0.72 at 4, 1.29 at 8, 1.95 at 16, 2.48 at 32. In bf16 on
-    a CPU with AMX-BF16 the kernel multiplies up to 16 tokens on the tile unit in about one
-    token's time (`cpu_linear.c`): on 2 vCPUs of an AMX Xeon, 6.4-6.6 ms at M = 8 and 16 where
-    oneDNN took 13-13.6. With AVX512-BF16 alone (vdpbf16ps), on 2 vCPUs of a Zen 4 EPYC, every
-    layer's weights of its own, read from DRAM as in the engine (`python -m
-    benchmarks.linear_kernels --per-layer-weights`, results/linear_kernels-zen4-per-layer.md),
-    C / oneDNN: 0.66 at M = 16, 0.96 at 32, 1.13 at 64, 1.41 at 128; a step on torch's matmul
-    also runs its model in Python, so whole decode steps (`benchmarks.profile_step`) of 32
-    sequences took 54 ms as graphs against 88 eager, of 64 sequences 89-94 against 99-137 eager
-    (the limit at 32, by hand)."""
+    a CPU with AMX-BF16 the float kernel multiplies up to 16 tokens on the tile unit in about
+    one token's time (`cpu_linear.c`): on 2 vCPUs of an AMX Xeon, 6.4-6.6 ms at M = 8 and 16
+    where oneDNN took 13-13.6. With AVX512-BF16 alone (vdpbf16ps) the weights are packed for
+    `linear_bf16_packed` (`packs_bf16`), faster than oneDNN at every size and than the float
+    kernel where it ran: on 2 vCPUs of a Zen 4 EPYC, every layer's weights of its own, read
+    from DRAM as in the engine (`python -m benchmarks.linear_kernels --per-layer-weights`,
+    results/linear_kernels-zen4-packed.md), packed / oneDNN 0.55 at M = 1, 0.45-0.56 at
+    2-64, 0.79 at 128, 0.93 at 256, 0.76 at 2048 (float kernel / oneDNN: 0.82, 0.66-0.89,
+    1.30, 1.41, 1.40); every step then runs C kernels, so decode graphs take every batch."""
     from engine.kernels.cpu_build import cpu_bf16_unit
 
     unit = cpu_bf16_unit() if dtype == torch.bfloat16 else None
-    return {None: 8, "amx": 16, "vector": 64}[unit]
+    return {None: 8, "amx": 16, "vector": ALL_TOKENS}[unit]
+
+
+def packs_bf16(dtype: torch.dtype) -> bool:
+    """Whether unquantized weights are packed for the C packed-bf16 kernel on the CPU: where
+    it serves every step (`cpu_float_kernel_max_tokens`)."""
+    return cpu_float_kernel_max_tokens(dtype) == ALL_TOKENS
 
 
 @dataclass(frozen=True)
@@ -82,7 +91,9 @@ class LinearMethod:
     def __init__(self, kernels: ModelKernels | None, dtype: torch.dtype) -> None:
         self.kernels = kernels
         self.dtype = dtype  # of the activations
+        self.on_cpu = kernels is not None and kernels.name == "cpu"  # the C kernels
         self.cpu_float_max_tokens = cpu_float_kernel_max_tokens(dtype)
+        self.packs_bf16 = self.on_cpu and packs_bf16(dtype)
 
     @property
     def cpu_graph_max_tokens(self) -> int:
@@ -94,14 +105,21 @@ class LinearMethod:
         """Called once the checkpoint is loaded: bring the weight into its runtime form."""
         if layer.bias is not None:
             layer.bias_f32 = layer.bias.detach().float().contiguous()
+        if self.packs_bf16:
+            from engine.kernels.cpu_linear import pack_bf16
+
+            layer.packed = pack_bf16(
+                layer.weight.detach(), layer.bias_f32, layer.activation == "silu_and_mul"
+            )
+            layer.weight = None  # the packed copy holds the same values
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x `[T, in_features]` -> `[T, out_features]` (after the layer's activation)."""
-        if (
-            self.kernels is not None
-            and self.kernels.name == "cpu"
-            and x.shape[0] <= self.cpu_float_max_tokens
-        ):
+        if self.packs_bf16:
+            from engine.kernels.cpu_linear import linear_bf16_packed
+
+            return linear_bf16_packed(x, layer.packed, torch.float32 if layer.fp32_out else None)
+        if self.on_cpu and x.shape[0] <= self.cpu_float_max_tokens:
             from engine.kernels.cpu_linear import linear_float
 
             return linear_float(
@@ -112,6 +130,14 @@ class LinearMethod:
                 torch.float32 if layer.fp32_out else None,
             )
         return self.activate(layer, F.linear(x, layer.weight, layer.bias))
+
+    def embed(self, layer: Linear, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of a tied LM head whose weight this method packed, in `dtype`."""
+        from engine.kernels.cpu_ops import embedding_packed
+
+        return embedding_packed(
+            input_ids, layer.packed.packed, layer.out_features, layer.in_features, dtype
+        )
 
     def activate(self, layer: Linear, y: torch.Tensor) -> torch.Tensor:
         if layer.activation is None:
@@ -163,8 +189,9 @@ class Linear(nn.Module):
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding. Tied to the LM head (`tie_to`), it shares the head's weight, and once a
-    quantizing method has taken that weight, rows come from the head's quantized form."""
+    """Token embedding. Tied to the LM head (`tie_to`), it shares the head's weight, and once
+    the head's method has taken that weight (quantized, packed), rows come from the head's
+    form."""
 
     def __init__(self, vocab_size: int, hidden_size: int, kernels: ModelKernels | None) -> None:
         super().__init__()
@@ -180,7 +207,7 @@ class VocabEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`[T]` ids -> `[T, hidden]` in `dtype` (the model's activation dtype)."""
         head = self.tied_head
-        if head is not None and head.weight is None:  # quantized: the head owns the rows
+        if head is not None and head.weight is None:  # quantized or packed: the head's rows
             return head.method.embed(head, input_ids, dtype)
         if self.kernels is not None and self.kernels.name == "cpu":
             from engine.kernels.cpu_ops import embedding

@@ -351,6 +351,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.method.process_weights(module)
+        if self.tie_word_embeddings and self.lm_head.weight is None:
+            self.model.embed_tokens.weight = None  # the head's rows serve it (packed)
 
     def _shard(self, param: torch.Tensor, shard: str | None) -> torch.Tensor:
         """The slice of a (fused) parameter that one checkpoint tensor fills."""

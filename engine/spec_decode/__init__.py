@@ -24,7 +24,9 @@ def auto_disable_by_batch_size(
     (`python -m benchmarks.spec_decode --num-prompts 1 --batch-requests N` with
     `"disable_by_batch_size": null`, 2026-12-06, results/spec_decode-zen4-crossover-b*.md):
     spec / base 1.35x at 4 requests, 1.04x at 8, 0.85x at 16, 0.76x at 32, with mean
-    acceptance lengths of 3.2-3.5. Measured elsewhere, where no threshold helped: the AVX2
+    acceptance lengths of 3.2-3.5; again with the packed bf16 kernel (`linear_bf16_packed`,
+    results/spec_decode-zen4-packed-crossover-b*.md): 1.02x at 8, 0.87x at 16, 0.83x at 32.
+    Measured elsewhere, where no threshold helped: the AVX2
     EPYC in fp32 1.07x at 32 requests, 1.02x at 64, 0.92x at 128 (64 as the threshold:
     0.94x); the AMX Xeon in bf16 1.04-1.15x at 32, where oneDNN's tiles multiply the rows;
     not measured with int8 weights or on CUDA.

@@ -1,7 +1,8 @@
 """kvrail's C kernels for the CPU against their PyTorch references, their build, and graphs.
 
-Linear kernels: W8A8 int8 and the small-M float kernel; the model's small ops (same references
-as the Triton kernels); the KV write (float and fp8); capture and replay of CPU graphs.
+Linear kernels: W8A8 int8, packed bf16 and the small-M float kernel; the model's small ops
+(same references as the Triton kernels); the KV write (float and fp8); capture and replay of
+CPU graphs.
 """
 
 from __future__ import annotations
@@ -163,6 +164,39 @@ def test_float_kernel_matches_torch(dtype, m, n, k, silu_mul, has_bias):
     torch.testing.assert_close(out32, expected, atol=1e-4, rtol=1e-4 if silu_mul else 2e-5)
 
 
+needs_avx512_bf16 = pytest.mark.skipif(
+    not torch.cpu._is_avx512_bf16_supported(), reason="the packed bf16 kernel needs AVX512-BF16"
+)
+PACKED_CASES = [
+    *FLOAT_CASES,
+    (7, 37, 33, False, True),  # odd K: the last pair is one element
+    (300, 40, 96, True, True),  # 50 tiles of 6 rows; a prompt step's size
+]
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("m,n,k,silu_mul,has_bias", PACKED_CASES)
+def test_packed_bf16_kernel_matches_torch(m, n, k, silu_mul, has_bias):
+    x, w, bias = _int8_inputs(m, 2 * n if silu_mul else n, k, torch.bfloat16)
+    bias = bias if has_bias else None
+    w = w.bfloat16()
+    packed = cpu_linear.pack_bf16(w, bias, silu_mul)
+    expected = F.linear(x.float(), w.float(), bias)
+    if silu_mul:
+        expected = silu_and_mul_ref(expected)
+    out = cpu_linear.linear_bf16_packed(x, packed)
+    assert out.dtype == torch.bfloat16 and out.shape == expected.shape
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=2e-2)
+    # float32 out (the LM head's logits): the sums unrounded
+    out32 = cpu_linear.linear_bf16_packed(x, packed, torch.float32)
+    torch.testing.assert_close(out32, expected, atol=1e-4, rtol=1e-4 if silu_mul else 2e-5)
+    # A row's sums are added in one order whatever the tile: any row alone, at another
+    # address, equals its row of the batch bit for bit (verify steps round as decode steps).
+    for i in (0, m // 2, m - 1):
+        alone = cpu_linear.linear_bf16_packed(_at_offset(x[i : i + 1], 5), packed, torch.float32)
+        assert torch.equal(alone[0], out32[i])
+
+
 def _at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
     """A copy of `t` starting `offset` elements into a fresh buffer: other addresses, so a
     kernel whose code path depends on them (alignment, alias checks) shows it."""
@@ -226,6 +260,13 @@ def test_linear_kernels_reject_what_they_cannot_read():
         cpu_linear.linear_float(x, torch.randn(4, 8).bfloat16(), None)
     with pytest.raises(ValueError, match="out_dtype"):
         cpu_linear.linear_float(x, torch.randn(4, 8), None, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="bfloat16 weight"):
+        cpu_linear.pack_bf16(torch.randn(4, 8), None, False)
+    bf16_packed = cpu_linear.pack_bf16(torch.randn(4, 8).bfloat16(), None, False)
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        cpu_linear.linear_bf16_packed(x, bf16_packed)
+    with pytest.raises(ValueError, match="out_dtype"):
+        cpu_linear.linear_bf16_packed(x.bfloat16(), bf16_packed, torch.float16)
 
 
 def test_packing_keeps_gate_and_up_panels_together():
@@ -306,9 +347,17 @@ def test_embedding(dtype):
     w_q, w_scale = quantize_rows_int8(torch.randn(50, 24))
     packed = cpu_linear.pack_int8(w_q, w_scale, None, False)
     col_scale = torch.rand(24) + 0.5
-    rows = cpu_ops.embedding_int8(ids, packed.packed, packed.scale, col_scale, 50, 24, dtype)
+    rows = cpu_ops.embedding_packed(ids, packed.packed, 50, 24, dtype, packed.scale, col_scale)
     expected = (w_q[ids].float() * w_scale[ids, None] * col_scale).to(dtype)
     torch.testing.assert_close(rows, expected, **TOL[dtype])
+    # Rows of a bf16 head packed in pairs (odd hidden: the last pair half padding), exact.
+    head = torch.randn(50, 23).bfloat16()
+    rows = cpu_ops.embedding_packed(
+        ids, cpu_linear.pack_bf16(head, None, False).packed, 50, 23, dtype
+    )
+    assert torch.equal(rows, head[ids].to(dtype))
+    with pytest.raises(ValueError, match="row_scale"):
+        cpu_ops.embedding_packed(ids, packed.packed, 50, 24, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
