@@ -645,9 +645,8 @@ static inline __attribute__((always_inline)) void pair_tile(
 
 static void pair_dispatch(const uint16_t *x, int64_t stride_x, const uint16_t *w,
                           int64_t panel_elems, int64_t num_pairs, int odd, int mr, int nt,
-                          int64_t panel,
-                          int64_t N, const float *bias, int silu_mul, void *out, int out_dtype,
-                          int64_t stride_out) {
+                          int64_t panel, int64_t N, const float *bias, int silu_mul, void *out,
+                          int out_dtype, int64_t stride_out) {
     switch (mr * 8 + nt) {
         PAIR_CASES(1) PAIR_CASES(2) PAIR_CASES(3) PAIR_CASES(4) PAIR_CASES(5) PAIR_CASES(6)
     }
