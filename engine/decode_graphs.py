@@ -21,6 +21,7 @@ decode steps only: verify steps run eagerly there (`DecodeGraphs.query_lens`).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -43,7 +44,9 @@ class DecodeGraphs(ABC):
 
     Buckets are (query_len, size): `size` requests of at most `query_len` tokens, for each
     size of `sizes` and each length of `query_lens` (1: decode; k + 1: verify) whose
-    `size * query_len` rows do not pass `max_num_tokens`.
+    `size * query_len` rows do not pass `max_num_tokens`; verify buckets only up to the
+    smallest size that holds `max_verify_reqs` requests (None: every size), as speculation
+    stops at a batch size (`disable_by_batch_size`).
     """
 
     kind: str
@@ -58,12 +61,19 @@ class DecodeGraphs(ABC):
         device: torch.device,
         query_lens: tuple[int, ...] = (1,),
         max_num_tokens: int = 1 << 30,
+        max_verify_reqs: int | None = None,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.block_size = block_size
+        verify_sizes = sizes  # sorted: up to the first that holds max_verify_reqs
+        if max_verify_reqs is not None:
+            verify_sizes = sizes[: bisect.bisect_left(sizes, max_verify_reqs) + 1]
         self.buckets = sorted(
-            (q, size) for q in query_lens for size in sizes if size * q <= max_num_tokens
+            (q, size)
+            for q in query_lens
+            for size in (sizes if q == 1 else verify_sizes)
+            if size * q <= max_num_tokens
         )
         num_reqs = max(size for _, size in self.buckets)
         num_tokens = max(q * size for q, size in self.buckets)

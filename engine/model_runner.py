@@ -414,6 +414,10 @@ class ModelRunner:
                 query_lens=query_lens,
                 # Steps whose linear layers run on torch's matmul cannot be recorded.
                 max_num_tokens=self.model.lm_head.method.cpu_graph_max_tokens,
+                # Drafts only while fewer requests than the threshold run (`_propose`).
+                max_verify_reqs=(
+                    None if self.disable_by_batch_size is None else self.disable_by_batch_size - 1
+                ),
             )
         if self.decode_graphs is not None:
             self.decode_graphs.capture()

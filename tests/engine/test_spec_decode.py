@@ -201,6 +201,21 @@ def test_steps_of_disable_by_batch_size_requests_propose_nothing(target, short_m
     assert_pool_free(llm)
 
 
+def test_verify_graphs_stop_where_speculation_does():
+    """Decode graphs hold verify buckets only up to the batch size that still speculates: with
+    a threshold of 8, steps of at most 7 requests verify drafts, so the size-8 bucket is the
+    largest (on a CPU without that cap: every size, 300 MB of activations for 128 x 6 rows)."""
+    from engine.decode_graphs import CpuDecodeGraphs, capture_sizes
+
+    sizes = capture_sizes(128)
+    for max_verify_reqs, verify_sizes in ((7, [1, 2, 4, 8]), (8, [1, 2, 4, 8]), (None, sizes)):
+        graphs = CpuDecodeGraphs(
+            None, None, sizes, 4, 16, torch.device("cpu"), (1, 6), max_verify_reqs=max_verify_reqs
+        )
+        assert [size for q, size in graphs.buckets if q == 1] == sizes
+        assert [size for q, size in graphs.buckets if q == 6] == verify_sizes
+
+
 def test_auto_disable_by_batch_size_applies_where_it_was_measured(monkeypatch):
     """`"auto"` turns speculation off from 8 requests in bf16 on the vector unit of an
     AVX512-BF16 CPU without AMX (the crossover measured there), and never elsewhere."""
