@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import envs
 from engine.kernels.int8_ref import quantize_rows_int8
-from engine.models.layers import Linear, LinearMethod, ModelKernels
+from engine.models.layers import ALL_TOKENS, Linear, LinearMethod, ModelKernels
 
 logger = logging.getLogger("kvrail.quantization")
 
@@ -102,7 +102,7 @@ class Int8LinearMethod(QuantizedLinearMethod):
 
     @property
     def cpu_graph_max_tokens(self) -> int:
-        return 1 << 30  # the C kernel serves every batch size
+        return ALL_TOKENS  # the C kernel serves every batch size
 
     def quantize_rows(self, weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_rows_int8(weight)
