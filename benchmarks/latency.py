@@ -171,7 +171,7 @@ def weight_bytes(model: Any) -> int:
             if name in module._non_persistent_buffers_set:
                 continue  # rotary tables: derived, not weights
             add(tensor)
-        packed = getattr(module, "packed", None)  # PackedInt8Weight, PackedBf16Weight
+        packed = getattr(module, "packed", None)  # a cpu_linear.PackedWeight
         if packed is not None:
             for value in vars(packed).values():
                 if isinstance(value, torch.Tensor):

@@ -97,16 +97,22 @@ class FloatLinearArgs(ctypes.Structure):  # struct kvrail_float_linear_args
 
 
 @dataclass
-class PackedInt8Weight:
-    """An int8 weight laid out for `linear_w8a8`; columns are in packed order."""
+class PackedWeight:
+    """A weight laid out in panels of 16 output columns (`packed_rows` order) for a C kernel."""
 
-    packed: torch.Tensor  # [num_panels, k_padded // 4, 16, 4] int8
-    scale: torch.Tensor  # [num_panels * 16] float32, per output column
-    comp: torch.Tensor  # [num_panels * 16] int32, 128 * sum_k w (the activations' +128 offset)
+    packed: torch.Tensor  # [num_panels, k_padded // group, 16, group]
     bias: torch.Tensor | None  # [num_panels * 16] float32
     out_features: int  # N of the result (half the rows with silu_mul)
     in_features: int  # K
     silu_mul: bool  # rows are [gate; up]; the result is silu(x gate^T) * (x up^T)
+
+
+@dataclass
+class PackedInt8Weight(PackedWeight):
+    """An int8 weight for `linear_w8a8`: groups of 4 k, K padded to K_ALIGN."""
+
+    scale: torch.Tensor  # [num_panels * 16] float32, per output column
+    comp: torch.Tensor  # [num_panels * 16] int32, 128 * sum_k w (the activations' +128 offset)
 
 
 def packed_rows(num_rows: int, silu_mul: bool) -> torch.Tensor:
@@ -171,15 +177,8 @@ def pack_int8(
     )
 
 
-@dataclass
-class PackedBf16Weight:
-    """A bf16 weight laid out for `linear_bf16_packed`; columns are in packed order."""
-
-    packed: torch.Tensor  # [num_panels, k_padded // 2, 16, 2] bfloat16, K rounded up to even
-    bias: torch.Tensor | None  # [num_panels * 16] float32
-    out_features: int  # N of the result (half the rows with silu_mul)
-    in_features: int  # K
-    silu_mul: bool  # rows are [gate; up]; the result is silu(x gate^T) * (x up^T)
+class PackedBf16Weight(PackedWeight):
+    """A bfloat16 weight for `linear_bf16_packed`: pairs of k, K rounded up to even."""
 
 
 def pack_bf16(weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool) -> PackedBf16Weight:
