@@ -16,18 +16,21 @@
  *   row passes over it.
  * - Packed bf16 (`kvrail_linear_bf16_packed`, AVX512-BF16): bf16 weights packed as the int8
  *   ones are, pairs of k where int8 has groups of 4, multiplied by vdpbf16ps against a
- *   broadcast pair of activations; for every M where the CPU has no AMX tile unit.
+ *   broadcast pair of activations; for every M, the weights' only copy.
  * - Float (`kvrail_linear_float`): plain [N, K] weights (the layout torch's own matmul
- *   reads, so nothing is stored twice), for small M only, where oneDNN's matmul streams the
- *   weights at half the memory bandwidth (measured: 21 GB/s at M = 1). Each output is a dot
- *   product along k (AVX512-BF16 vdpbf16ps where present), tiles of up to 6 rows x 4
- *   columns, reduced horizontally once per tile.
+ *   reads, so nothing is stored twice), for small M only (float32, and bf16 on CPUs without
+ *   AVX512-BF16), where oneDNN's matmul streams the weights at half the memory bandwidth
+ *   (measured: 21 GB/s at M = 1). Each output is a dot product along k, tiles of up to 6 rows
+ *   x 4 columns, reduced horizontally once per tile.
  *
  * With AMX-INT8 (Xeons since Sapphire Rapids), blocks of 32 (or 16) rows x 2 panels run on
  * the tile unit instead: a B tile is 16 consecutive groups of a panel as packed (16 rows of
  * 64 bytes: 64 k x 16 columns), an A tile 16 tokens x 64 k, and one tdpbusd adds
  * 16 x 16 x 64 products. Rows past the last multiple of 16 take the vector path. Integer sums are
- * exact either way and share one epilogue, so both paths give identical outputs.
+ * exact either way and share one epilogue, so both paths give identical outputs. With
+ * AMX-BF16 the packed bf16 panels are B tiles as well (16 pairs of k x 16 columns), for
+ * every row: fp32 sums of bf16 products round by the order they are added in, and one order
+ * for every M keeps a row's outputs independent of the batch.
  *
  * Without AVX512-VNNI, AVX2 multiplies the int8 panels through int16 (vpmaddwd); without
  * either, and for the float kernel without AVX512-BF16, the same loops run in portable C
@@ -452,11 +455,26 @@ struct amx_tile_config {
     uint16_t colsb[16]; /* bytes per row of each tile */
     uint8_t rows[16];
 };
+
+/* The W8A8 and packed bf16 kernels' tiles: blocks of rows x 2 panels. */
+#define AMX_TILE_ROWS 16 /* tokens per A tile */
+#define AMX_ROWS 32      /* rows per AMX block: two A tiles; a last block may hold one */
+#define AMX_M_BLOCK 256  /* rows whose activations stay in L2 while every panel passes */
+
+/* Tiles 0-3: sums for (row half, panel); 4-5: A of each row half; 6-7: B of each panel.
+ * Every tile is rows of 64 bytes: the sums and A tiles `rows` (16, or fewer for a last block),
+ * the B tiles 16 (64 int8 k, or 32 bf16 k as pairs). */
+static void amx_load_config(int rows) {
+    struct amx_tile_config config = {.palette_id = 1};
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = t < 6 ? rows : 16;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
 #endif
 
 #ifdef KVRAIL_AMX
-#define AMX_TILE_ROWS 16 /* tokens per A tile */
-#define AMX_ROWS 32      /* rows per AMX block: two A tiles; a last block may hold one */
 #define AMX_K 64    /* k per tile step: one 64-byte tile row */
 /* Steps of this many tokens and more take the tiles. A 16-row block holds 16 x 64 bytes of
  * activations; a last block of fewer rows gets tiles of that many (tdpbusd's cost follows the
@@ -468,19 +486,6 @@ struct amx_tile_config {
  * in L1, where the vector path streamed them all again); M = 1-3 are as fast or faster on the
  * vector path (M = 1 3.7-3.8 against 4.2-4.4, M = 2 3.9-4.1 against 4.1-4.4). */
 #define AMX_MIN_ROWS 4
-#define AMX_M_BLOCK 256 /* rows whose activations stay in L2 while every panel passes */
-
-/* Tiles 0-3: sums for (row half, panel); 4-5: A of each row half; 6-7: B of each panel.
- * Every tile is rows of 64 bytes: the sums and A tiles `rows` (16, or fewer for a last block),
- * the B tiles 16 (64 k). */
-static void amx_load_config(int rows) {
-    struct amx_tile_config config = {.palette_id = 1};
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = t < 6 ? rows : 16;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
 
 /* acc[i][j * PANEL + c] (row stride MAX_NT * PANEL) = sums of rows 0..16 mt - 1 against nt
  * panels (mt, nt: 1 or 2); k_padded is a multiple of AMX_K (cpu_linear.pack_int8). */
@@ -686,6 +691,94 @@ struct kvrail_bf16_packed_args {
     int64_t out_features, stride_x, stride_out;
 };
 
+#ifdef KVRAIL_AMX_BF16
+/* With AMX-BF16 the packed panels are the tile unit's B operand as they lie: a k step of 32 is
+ * 16 pairs x 16 columns, 16 rows of 64 bytes (`w + k * PANEL` of a panel), and the A operand
+ * is 16 tokens' rows of x, 32 k each, read in place. Blocks of 32 (or 16, or a last few) rows
+ * x 2 panels, as the W8A8 tiles run; one tdpbf16ps adds 16 x 16 x 32 products in fp32. Each
+ * row's sums are added in one order whatever the block holds (a tile row is its token's
+ * alone), so decode and verify steps round alike, and every M takes the tiles (a K that is
+ * not a multiple of 32, the vector path). On 2 vCPUs of an AMX Xeon, SmolLM2-135M's 121
+ * linears with weights of their own from DRAM (`python -m benchmarks.linear_kernels
+ * --per-layer-weights`, results/linear_kernels-amx-packed.md), against oneDNN's bf16 matmul:
+ * 0.52x its time at M = 1-5, 0.55-0.62x at 16-64, 0.82x at 128, 0.91x at 256, 1.47x at 2048
+ * (without the SiLU-and-multiply pass oneDNN's output still needs). Replacing oneDNN above
+ * 16 tokens and the float kernel's tiles over plain weights below (W the A operand): a bf16
+ * decode step of 128 requests 127.7 -> 100.6 ms, now one graph (`python -m
+ * benchmarks.profile_step --attention-backends cpu --num-requests 128 --input-len 64:512
+ * --output-len 64:256 --skip-steps 60 --steps 10`), single-stream decode 92.0 -> 99.5 tok/s
+ * (`benchmarks.latency --baseline-ref 37cbec7`, results/latency-amx-packed.md). */
+#define AMX_BF16_K 32 /* k per tile step: 32 bf16, one 64-byte tile row */
+
+/* acc[i][j * PANEL + c] (row stride MAX_NT * PANEL) = sums of rows 0..16 mt - 1 of x against
+ * nt panels (mt, nt: 1 or 2); K is a multiple of AMX_BF16_K. */
+static void bf16_amx_block(const uint16_t *x, int64_t stride_x, const uint16_t *w,
+                           int64_t panel_elems, int64_t K, int mt, int nt, float *acc) {
+    const int64_t stride_a = stride_x * (int64_t)sizeof(uint16_t);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += AMX_BF16_K) {
+        _tile_loadd(4, x + k, stride_a);
+        _tile_loadd(6, w + k * PANEL, 2 * PANEL * sizeof(uint16_t)); /* pairs k/2.. */
+        _tile_dpbf16ps(0, 4, 6);
+        if (nt == 2) {
+            _tile_loadd(7, w + panel_elems + k * PANEL, 2 * PANEL * sizeof(uint16_t));
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (mt == 2) {
+            _tile_loadd(5, x + AMX_TILE_ROWS * stride_x + k, stride_a);
+            _tile_dpbf16ps(2, 5, 6);
+            if (nt == 2) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    const int64_t stride_acc = MAX_NT * PANEL * sizeof(float);
+    float *lower = acc + AMX_TILE_ROWS * MAX_NT * PANEL;
+    _tile_stored(0, acc, stride_acc);
+    if (nt == 2) _tile_stored(1, acc + PANEL, stride_acc);
+    if (mt == 2) _tile_stored(2, lower, stride_acc);
+    if (mt == 2 && nt == 2) _tile_stored(3, lower + PANEL, stride_acc);
+}
+
+/* Rows [0, M) of kvrail_linear_bf16_packed on the tile unit, panels [begin, end). */
+static void linear_bf16_packed_amx(const struct kvrail_bf16_packed_args *a, int64_t begin,
+                                   int64_t end) {
+    const int64_t M = a->num_tokens, K = a->in_features, panel_elems = K * PANEL;
+    const int64_t out_size = dtype_size(a->out_dtype);
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_M_BLOCK) {
+        const int64_t m1 = m0 + AMX_M_BLOCK < M ? m0 + AMX_M_BLOCK : M;
+        const int64_t full_end = m0 + (m1 - m0) / AMX_TILE_ROWS * AMX_TILE_ROWS;
+        int rows = 0; /* the tiles' configured rows */
+        for (int64_t p = begin; p < end; p += 2) {
+            const int nt = end - p < 2 ? (int)(end - p) : 2;
+            __m512 b[2];
+            for (int j = 0; j < nt; j++)
+                b[j] = a->bias ? _mm512_loadu_ps(a->bias + (p + j) * PANEL) : _mm512_setzero_ps();
+            for (int64_t m = m0; m < m1;) {
+                const int tile_rows = m < full_end ? AMX_TILE_ROWS : (int)(m1 - m);
+                const int mt = m1 - m < AMX_ROWS ? 1 : 2;
+                if (tile_rows != rows) amx_load_config(rows = tile_rows);
+                float acc[AMX_ROWS * MAX_NT * PANEL] __attribute__((aligned(64)));
+                bf16_amx_block(a->x + m * a->stride_x, a->stride_x, a->w_packed + p * panel_elems,
+                               panel_elems, K, mt, nt, acc);
+                char *out = (char *)a->out + m * a->stride_out * out_size;
+                for (int i = 0; i < mt * tile_rows; i++) {
+                    __m512 y[MAX_NT];
+                    for (int j = 0; j < nt; j++)
+                        y[j] = _mm512_add_ps(_mm512_load_ps(acc + i * MAX_NT * PANEL + j * PANEL),
+                                             b[j]);
+                    store_panels(y, nt, p, a->out_features, (int)a->silu_mul, out,
+                                 (int)a->out_dtype, i * a->stride_out);
+                }
+                m += mt * tile_rows;
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
 /* out = x w^T (+ bias): every thread multiplies all rows by its range of panels. */
 void kvrail_linear_bf16_packed(const struct kvrail_bf16_packed_args *a, int tid,
                                int num_threads) {
@@ -693,6 +786,12 @@ void kvrail_linear_bf16_packed(const struct kvrail_bf16_packed_args *a, int tid,
     const int64_t out_size = dtype_size(a->out_dtype);
     int64_t begin, end;
     thread_range(a->num_panels, a->silu_mul ? 2 : 1, tid, num_threads, &begin, &end);
+#ifdef KVRAIL_AMX_BF16
+    if (K % AMX_BF16_K == 0 && amx_usable()) {
+        linear_bf16_packed_amx(a, begin, end);
+        return;
+    }
+#endif
     for (int64_t p = begin; p < end; p += MAX_NT) {
         const int nt = end - p < MAX_NT ? (int)(end - p) : MAX_NT;
         for (int64_t m = 0; m < M; m += MAX_MR) {
@@ -940,122 +1039,13 @@ struct kvrail_float_linear_args {
     int64_t out_dtype;  /* out's: x's, or float32 (the sums as they are) */
 };
 
-#ifdef KVRAIL_AMX_BF16
-/* bf16 with AMX-BF16, for 1..16 tokens: W is the A operand as it lies (a tile is 16 weight
- * rows x 32 k, rows K apart), x the B operand (32 k x M tokens, pairs of k per 32-bit lane,
- * packed per thread, a few KiB), so one tdpbf16ps adds 16 x M x 32 products and the sums are
- * 16 outputs x M tokens. Each pass holds 2 such sums (32 output columns, or 16 gate and their
- * up columns) over one B tile, and the weights stream once per call. The vector kernel above
- * does one vdpbf16ps per token and 32 weights, so its time grows with M. Every M takes the
- * tiles, one token too, so that each output is the same sum of the same products whatever else
- * the call holds: a speculative verify step scores every position bit for bit as its decode
- * step would, and greedy speculation in bf16 changes no token (`tests/engine/test_spec_decode.py`);
- * with the vector kernel for decode steps and the tiles for verify steps it would not (the two
- * round differently), which is why up to 6 tokens had stayed on the vector kernel. On 2 vCPUs
- * of an AMX Xeon, SmolLM2-135M's 121 linears (`python -m benchmarks.linear_kernels
- * --num-tokens 1,2,5,8`, the two versions in turn, twice), vector kernel up to 6 rows -> tiles
- * for all: M = 1 5.8-5.9 -> 5.7-5.8 ms, M = 2 7.0-7.3 -> 6.1, M = 5 11.2-11.5 -> 6.3-6.5, M = 8
- * 8.8 -> 6.4-6.6; a speculative verify step of 5 tokens 15.9 -> 14.2 ms against a plain
- * step's 10.1-11.4 (`benchmarks.spec_decode`). Measured on the way, M = 1 and 5 on the tiles:
- * without the prefetch of the next pass's rows (16 a k step, which held the core's fill
- * buffers where its streaming prefetcher does better) 8.2 -> 6.4 and 8.9 -> 7.4 ms; 32 columns
- * a pass instead of 64 (half the rows streaming at once) 6.4 -> 6.1 and 7.4 -> 7.0; then the
- * outputs 16 columns a vector, gathered from the sums, instead of one at a time. */
-#define AMX_BF16_K 32     /* k per tile step: 32 bf16, one 64-byte tile row */
-#define AMX_BF16_MAX_M 16 /* tokens: the columns of one sum tile */
-#define AMX_BF16_PASS 32  /* output columns per pass: 2 sum tiles */
-
-/* Tiles 0-1: sums (16 weight rows x M tokens, fp32); 4-5: weight rows (16 x 32 bf16); 6: x
- * (16 pairs of k x M tokens). */
-static void amx_bf16_load_config(int M) {
-    struct amx_tile_config config = {.palette_id = 1};
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = 16;
-        config.colsb[t] = t < 2 || t == 6 ? 4 * M : 64;
-    }
-    _tile_loadconfig(&config);
-}
-
-/* sums[j][r][m] (row stride 16 floats) = x[m] . w_rows[j][r] for j < nb (1 or 2) 16-row
- * blocks whose first rows are w_rows[j]. */
-static void amx_bf16_pass(const uint32_t *xp, int M, const uint16_t *const *w_rows, int nb,
-                          int64_t K, float *sums) {
-    const int64_t stride_w = K * (int64_t)sizeof(uint16_t);
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int64_t k = 0; k < K; k += AMX_BF16_K) {
-        _tile_loadd(6, xp + k / 2 * M, 4 * M);
-        _tile_loadd(4, w_rows[0] + k, stride_w);
-        _tile_dpbf16ps(0, 4, 6);
-        if (nb > 1) {
-            _tile_loadd(5, w_rows[1] + k, stride_w);
-            _tile_dpbf16ps(1, 5, 6);
-        }
-    }
-    _tile_stored(0, sums, 64);
-    if (nb > 1) _tile_stored(1, sums + 256, 64);
-}
-
-/* Output columns [begin, end) (multiples of 16) of kvrail_linear_float on the tile unit. */
-static void float_linear_amx_bf16(const struct kvrail_float_linear_args *a, int64_t begin,
-                                  int64_t end) {
-    const int64_t K = a->in_features, N = a->out_features;
-    const int M = (int)a->num_tokens;
-    const uint16_t *x = a->x, *w = a->w;
-    /* xp[k / 2][m]: the pair (x[m][k], x[m][k + 1]), as the B tile reads it */
-    uint32_t *xp = aligned_alloc(64, sizeof(uint32_t) * (size_t)(K / 2 * M));
-    for (int64_t k2 = 0; k2 < K / 2; k2++)
-        for (int m = 0; m < M; m++) memcpy(xp + k2 * M + m, x + m * a->stride_x + 2 * k2, 4);
-    amx_bf16_load_config(M);
-    /* column c of token m is sums[c / 16][c % 16][m]: a stride of 16 floats */
-    const __m512i column = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(16));
-    const int64_t step = a->silu_mul ? AMX_BF16_PASS / 2 : AMX_BF16_PASS;
-    float sums[2 * 16 * 16] __attribute__((aligned(64)));
-    for (int64_t n0 = begin; n0 < end; n0 += step) {
-        const int nb_out = end - n0 < step ? 1 : (int)(step / 16); /* end - n0: a multiple of 16 */
-        /* the second block: the next 16 rows, or with silu_mul the gate block's up rows */
-        const uint16_t *w_rows[2] = {w + n0 * K, w + (a->silu_mul ? N + n0 : n0 + 16) * K};
-        amx_bf16_pass(xp, M, w_rows, a->silu_mul ? 2 : nb_out, K, sums);
-        for (int j = 0; j < nb_out; j++) {
-            const int64_t n = n0 + 16 * j;
-            const __m512 bias = a->bias ? _mm512_loadu_ps(a->bias + n) : _mm512_setzero_ps();
-            const __m512 up_bias =
-                a->bias && a->silu_mul ? _mm512_loadu_ps(a->bias + N + n) : _mm512_setzero_ps();
-            for (int m = 0; m < M; m++) {
-                __m512 y = _mm512_add_ps(_mm512_i32gather_ps(column, sums + j * 256 + m, 4), bias);
-                if (a->silu_mul)
-                    y = silu_mul16(y, _mm512_add_ps(
-                                          _mm512_i32gather_ps(column, sums + 256 + m, 4), up_bias));
-                if (a->out_dtype == KVRAIL_F32)
-                    _mm512_storeu_ps((float *)a->out + m * a->stride_out + n, y);
-                else
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)a->out + m * a->stride_out + n),
-                                        (__m256i)_mm512_cvtneps_pbh(y));
-            }
-        }
-    }
-    _tile_release();
-    free(xp);
-}
-#endif
-
 /* out = x w^T (+ bias) for small M; every thread takes a range of 4-column tiles (of 16 on
  * the tile unit). */
 void kvrail_linear_float(const struct kvrail_float_linear_args *a, int tid, int num_threads) {
     const int64_t K = a->in_features, N = a->out_features, M = a->num_tokens;
     const int64_t esize = dtype_size(a->dtype);
     int64_t begin, end;
-#ifdef KVRAIL_AMX_BF16
-    if (a->dtype == KVRAIL_BF16 && M <= AMX_BF16_MAX_M && K % AMX_BF16_K == 0 && amx_usable()) {
-        thread_range(N, 16, tid, num_threads, &begin, &end);
-        const int64_t tiled_end = begin + (end - begin) / 16 * 16;
-        float_linear_amx_bf16(a, begin, tiled_end);
-        begin = tiled_end; /* a last range of N % 16 columns takes the vector path */
-    } else
-#endif
-        thread_range(N, DOT_TILE, tid, num_threads, &begin, &end);
+    thread_range(N, DOT_TILE, tid, num_threads, &begin, &end);
     /* Rows in tiles as even as the row limit allows: a 1-row remainder tile has too few
      * accumulators to hide the FMA latency. fp32 on a 2-vCPU AVX2 EPYC, the 121 linears of a
      * SmolLM2 pass (`python -m benchmarks.linear_kernels`,

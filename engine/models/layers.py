@@ -31,20 +31,21 @@ def cpu_float_kernel_max_tokens(dtype: torch.dtype) -> int:
     CPU (so that a decode graph can record them); larger ones use torch's matmul (oneDNN),
     which reaches the compute peak there. Measured on a 2-vCPU AVX2 EPYC in fp32, the 121
     linear layers of a SmolLM2-135M pass (`python -m benchmarks.linear_kernels`), C float /
-    oneDNN: 0.76 at M = 1, 0.52 at 2, 0.72 at 4, 1.29 at 8, 1.95 at 16, 2.48 at 32. In bf16 on
-    a CPU with AMX-BF16 the float kernel multiplies up to 16 tokens on the tile unit in about
-    one token's time (`cpu_linear.c`): on 2 vCPUs of an AMX Xeon, 6.4-6.6 ms at M = 8 and 16
-    where oneDNN took 13-13.6. With AVX512-BF16 alone (vdpbf16ps) the weights are packed for
-    `linear_bf16_packed` (`packs_bf16`), faster than oneDNN at every size and than the float
-    kernel where it ran: on 2 vCPUs of a Zen 4 EPYC, every layer's weights of its own, read
-    from DRAM as in the engine (`python -m benchmarks.linear_kernels --per-layer-weights`,
+    oneDNN: 0.76 at M = 1, 0.52 at 2, 0.72 at 4, 1.29 at 8, 1.95 at 16, 2.48 at 32. In bf16
+    on a CPU with AVX512-BF16 the weights are packed for `linear_bf16_packed` (`packs_bf16`),
+    which serves every step, so decode graphs take every batch size: with AVX512-BF16 alone
+    (vdpbf16ps), on 2 vCPUs of a Zen 4 EPYC, every layer's weights of its own, read from DRAM
+    as in the engine (`python -m benchmarks.linear_kernels --per-layer-weights`,
     results/linear_kernels-zen4-packed.md), packed / oneDNN 0.55 at M = 1, 0.45-0.56 at
-    2-64, 0.79 at 128, 0.93 at 256, 0.76 at 2048 (float kernel / oneDNN: 0.82, 0.66-0.89,
-    1.30, 1.41, 1.40); every step then runs C kernels, so decode graphs take every batch."""
+    2-64, 0.79 at 128, 0.93 at 256, 0.76 at 2048; on the tile unit (AMX-BF16), on 2 vCPUs of
+    an AMX Xeon (results/linear_kernels-amx-packed.md), 0.52 at M = 1-5, 0.55-0.62 at 16-64,
+    0.82 at 128, 0.91 at 256, 1.47 at 2048, where the fused SiLU-and-multiply makes up for it
+    in the engine: the full workload in bf16 (`python -m benchmarks.throughput --configs int8
+    --baseline-ref 37cbec7 --baseline-configs default --peers none`,
+    results/throughput-full-amx-packed.md) 33.5 -> 26.6 s."""
     from engine.kernels.cpu_build import cpu_bf16_unit
 
-    unit = cpu_bf16_unit() if dtype == torch.bfloat16 else None
-    return {None: 8, "amx": 16, "vector": ALL_TOKENS}[unit]
+    return ALL_TOKENS if dtype == torch.bfloat16 and cpu_bf16_unit() is not None else 8
 
 
 def packs_bf16(dtype: torch.dtype) -> bool:
@@ -171,7 +172,7 @@ class Linear(nn.Module):
         # bf16 logits keep 8 bits (a step of 0.125 near 25), so the top two candidates often
         # tie and the argmax takes the lower id: SmolLM2's answer to the README's first
         # question began with "L" (25.369 in fp32) instead of "The" (25.421), both 25.375 in
-        # bf16, once small steps moved to the AMX tiles.
+        # bf16, once small steps moved to the AMX tiles (the C float kernel's then).
         self.fp32_out = fp32_out
         dtype = method.load_dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))

@@ -136,8 +136,8 @@ def test_w8a8_is_close_to_the_float_linear(m):
     assert (out - expected).norm() / expected.norm() < 0.02
 
 
-# 1-16 tokens over k a multiple of 32 take the AMX-BF16 path in bf16 where the CPU has it;
-# 100 columns leave a remainder of 4 to the vector path.
+# Rows in tiles of up to 6 (and of 16 and 32 on the packed kernel's AMX-BF16 path, which
+# takes k a multiple of 32); 100 columns end in a panel of 4.
 FLOAT_CASES = [
     *LINEAR_CASES[:3],
     (5, 52, 64, True, True),
@@ -210,9 +210,8 @@ def _at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
 def test_rows_do_not_depend_on_the_batch(dtype):
     """A verify step's rows must equal those of decode steps bit for bit (greedy speculation
     then changes no token, in bf16 too): every per-token kernel, on a row of a batch and on
-    the same row alone at other addresses. The float linear holds it up to 6 rows: one
-    vector tile of rows, or in bf16 on a CPU with AMX-BF16 the tile unit, which takes every
-    row count up to 16 (`cpu_linear.c`)."""
+    the same row alone at other addresses. The float linear holds it up to 6 rows, one
+    vector tile of rows (the packed kernels, for every M: their own tests)."""
     gen = torch.Generator().manual_seed(3)
     hidden, heads, kv_heads, head_dim = 96, 9, 3, 64  # SmolLM2's heads
     x = torch.randn(6, hidden, generator=gen).to(dtype)

@@ -85,7 +85,7 @@ def test_fused_weights_and_tying(tmp_path):
 )
 @pytest.mark.parametrize("case", ["llama", "qwen3-bias"])
 def test_packed_bf16_weights_as_accurate_as_torch_matmul(tmp_path, monkeypatch, case):
-    """bf16 weights packed for the C kernel (what a CPU with AVX512-BF16 and no AMX runs),
+    """bf16 weights packed for the C kernel (what a CPU with AVX512-BF16 runs, AMX or not),
     against the same model multiplied by torch's matmul, both against HF in fp32: a tied
     embedding reads the packed head's rows, and the packed model is off by no more than the
     other (measured on the tiny llama: mean |error| 0.26 and 0.27 on logits of std 9.6,
