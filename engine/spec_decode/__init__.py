@@ -26,12 +26,15 @@ def auto_disable_by_batch_size(
     spec / base 1.35x at 4 requests, 1.04x at 8, 0.85x at 16, 0.76x at 32, with mean
     acceptance lengths of 3.2-3.5; again with the packed bf16 kernel (`linear_bf16_packed`,
     results/spec_decode-zen4-packed-crossover-b*.md): 1.02x at 8, 0.87x at 16, 0.83x at 32.
-    Measured elsewhere, where no threshold helped: the AVX2
-    EPYC in fp32 1.07x at 32 requests, 1.02x at 64, 0.92x at 128 (64 as the threshold:
-    0.94x); the AMX Xeon in bf16 1.04-1.15x at 32, where oneDNN's tiles multiply the rows;
-    not measured with int8 weights or on CUDA.
+    In bf16 on the tile unit of a CPU with AMX-BF16, on 2 vCPUs of an AMX Xeon (2026-12-06,
+    the packed kernel on the tiles; the same commands, and the batch row of
+    results/spec_decode-amx-packed.md for 32): 1.31x at 8, 1.04x at 16, 0.98x at 24, 0.95x at
+    32 (1.04-1.15x at 32 while oneDNN multiplied larger steps' rows, eagerly), so 16. Measured elsewhere, where no threshold helped: the AVX2 EPYC in fp32
+    1.07x at 32 requests, 1.02x at 64, 0.92x at 128 (64 as the threshold: 0.94x); not
+    measured with int8 weights or on CUDA.
     """
     from engine.kernels.cpu_build import cpu_bf16_unit
 
-    vector_bf16 = device.type == "cpu" and dtype == torch.bfloat16 and cpu_bf16_unit() == "vector"
-    return 8 if vector_bf16 and quantization is None else None
+    if device.type != "cpu" or dtype != torch.bfloat16 or quantization is not None:
+        return None
+    return {"vector": 8, "amx": 16}.get(cpu_bf16_unit())

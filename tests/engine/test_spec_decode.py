@@ -219,7 +219,8 @@ def test_verify_graphs_stop_where_speculation_does():
 
 def test_auto_disable_by_batch_size_applies_where_it_was_measured(monkeypatch):
     """`"auto"` turns speculation off from 8 requests in bf16 on the vector unit of an
-    AVX512-BF16 CPU without AMX (the crossover measured there), and never elsewhere."""
+    AVX512-BF16 CPU without AMX and from 16 on AMX's tile unit (the crossovers measured
+    there), and never elsewhere."""
     from engine.kernels import cpu_build
     from engine.spec_decode import auto_disable_by_batch_size
 
@@ -231,7 +232,8 @@ def test_auto_disable_by_batch_size_applies_where_it_was_measured(monkeypatch):
     assert auto_disable_by_batch_size(cpu, bf16, "int8") is None
     assert auto_disable_by_batch_size(torch.device("cuda"), bf16, None) is None
     monkeypatch.setattr(cpu_build, "has_amx_bf16", lambda: True)
-    assert auto_disable_by_batch_size(cpu, bf16, None) is None
+    assert auto_disable_by_batch_size(cpu, bf16, None) == 16
+    assert auto_disable_by_batch_size(cpu, bf16, "int8") is None
     monkeypatch.setattr(cpu_build, "has_amx_bf16", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     assert auto_disable_by_batch_size(cpu, bf16, None) is None
