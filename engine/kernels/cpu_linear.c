@@ -472,6 +472,41 @@ static void amx_load_config(int rows) {
     }
     _tile_loadconfig(&config);
 }
+
+/* NAME(x, stride_x, w, panel_elems, K, mt, nt, acc): acc[i][j * PANEL + c] (row stride
+ * MAX_NT * PANEL) = sums of rows 0..16 mt - 1 of x (row stride stride_x elements) against nt
+ * panels (mt, nt: 1 or 2) from w, panels panel_elems apart, K a multiple of K_STEP: one tile
+ * row of x is K_STEP elements, and a B tile is K_STEP k of a panel as packed (16 rows of 64
+ * bytes, `w + k * PANEL`). DP multiplies tiles (tdpbusd, tdpbf16ps). */
+#define DEFINE_AMX_BLOCK(NAME, TX, TW, TACC, K_STEP, DP)                                          \
+static void NAME(const TX *x, int64_t stride_x, const TW *w, int64_t panel_elems, int64_t K,     \
+                 int mt, int nt, TACC *acc) {                                                     \
+    const int64_t stride_a = stride_x * (int64_t)sizeof(TX);                                      \
+    _tile_zero(0);                                                                                \
+    _tile_zero(1);                                                                                \
+    _tile_zero(2);                                                                                \
+    _tile_zero(3);                                                                                \
+    for (int64_t k = 0; k < K; k += K_STEP) {                                                     \
+        _tile_loadd(4, x + k, stride_a);                                                          \
+        _tile_loadd(6, w + k * PANEL, 64);                                                        \
+        DP(0, 4, 6);                                                                              \
+        if (nt == 2) {                                                                            \
+            _tile_loadd(7, w + panel_elems + k * PANEL, 64);                                      \
+            DP(1, 4, 7);                                                                          \
+        }                                                                                         \
+        if (mt == 2) {                                                                            \
+            _tile_loadd(5, x + AMX_TILE_ROWS * stride_x + k, stride_a);                           \
+            DP(2, 5, 6);                                                                          \
+            if (nt == 2) DP(3, 5, 7);                                                             \
+        }                                                                                         \
+    }                                                                                             \
+    const int64_t stride_acc = MAX_NT * PANEL * sizeof(TACC);                                     \
+    TACC *lower = acc + AMX_TILE_ROWS * MAX_NT * PANEL;                                           \
+    _tile_stored(0, acc, stride_acc);                                                             \
+    if (nt == 2) _tile_stored(1, acc + PANEL, stride_acc);                                        \
+    if (mt == 2) _tile_stored(2, lower, stride_acc);                                              \
+    if (mt == 2 && nt == 2) _tile_stored(3, lower + PANEL, stride_acc);                           \
+}
 #endif
 
 #ifdef KVRAIL_AMX
@@ -487,35 +522,9 @@ static void amx_load_config(int rows) {
  * vector path (M = 1 3.7-3.8 against 4.2-4.4, M = 2 3.9-4.1 against 4.1-4.4). */
 #define AMX_MIN_ROWS 4
 
-/* acc[i][j * PANEL + c] (row stride MAX_NT * PANEL) = sums of rows 0..16 mt - 1 against nt
- * panels (mt, nt: 1 or 2); k_padded is a multiple of AMX_K (cpu_linear.pack_int8). */
-static void w8a8_amx_block(const uint8_t *xq, int64_t stride_xq, const int8_t *w,
-                           int64_t panel_bytes, int64_t k_padded, int mt, int nt, int32_t *acc) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k = 0; k < k_padded; k += AMX_K) {
-        _tile_loadd(4, xq + k, stride_xq);
-        _tile_loadd(6, w + k * PANEL, KGROUP * PANEL); /* groups k/4.. of the panel */
-        _tile_dpbusd(0, 4, 6);
-        if (nt == 2) {
-            _tile_loadd(7, w + panel_bytes + k * PANEL, KGROUP * PANEL);
-            _tile_dpbusd(1, 4, 7);
-        }
-        if (mt == 2) {
-            _tile_loadd(5, xq + AMX_TILE_ROWS * stride_xq + k, stride_xq);
-            _tile_dpbusd(2, 5, 6);
-            if (nt == 2) _tile_dpbusd(3, 5, 7);
-        }
-    }
-    const int64_t stride_acc = MAX_NT * PANEL * sizeof(int32_t);
-    int32_t *lower = acc + AMX_TILE_ROWS * MAX_NT * PANEL;
-    _tile_stored(0, acc, stride_acc);
-    if (nt == 2) _tile_stored(1, acc + PANEL, stride_acc);
-    if (mt == 2) _tile_stored(2, lower, stride_acc);
-    if (mt == 2 && nt == 2) _tile_stored(3, lower + PANEL, stride_acc);
-}
+/* The int8 tiles: groups of 4 k in a 32-bit lane, k_padded a multiple of AMX_K
+ * (cpu_linear.pack_int8). */
+DEFINE_AMX_BLOCK(w8a8_amx_block, uint8_t, int8_t, int32_t, AMX_K, _tile_dpbusd)
 #endif
 
 struct kvrail_quantize_rows_args {
@@ -710,36 +719,7 @@ struct kvrail_bf16_packed_args {
  * (`benchmarks.latency --baseline-ref 37cbec7`, results/latency-amx-packed.md). */
 #define AMX_BF16_K 32 /* k per tile step: 32 bf16, one 64-byte tile row */
 
-/* acc[i][j * PANEL + c] (row stride MAX_NT * PANEL) = sums of rows 0..16 mt - 1 of x against
- * nt panels (mt, nt: 1 or 2); K is a multiple of AMX_BF16_K. */
-static void bf16_amx_block(const uint16_t *x, int64_t stride_x, const uint16_t *w,
-                           int64_t panel_elems, int64_t K, int mt, int nt, float *acc) {
-    const int64_t stride_a = stride_x * (int64_t)sizeof(uint16_t);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k = 0; k < K; k += AMX_BF16_K) {
-        _tile_loadd(4, x + k, stride_a);
-        _tile_loadd(6, w + k * PANEL, 2 * PANEL * sizeof(uint16_t)); /* pairs k/2.. */
-        _tile_dpbf16ps(0, 4, 6);
-        if (nt == 2) {
-            _tile_loadd(7, w + panel_elems + k * PANEL, 2 * PANEL * sizeof(uint16_t));
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        if (mt == 2) {
-            _tile_loadd(5, x + AMX_TILE_ROWS * stride_x + k, stride_a);
-            _tile_dpbf16ps(2, 5, 6);
-            if (nt == 2) _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    const int64_t stride_acc = MAX_NT * PANEL * sizeof(float);
-    float *lower = acc + AMX_TILE_ROWS * MAX_NT * PANEL;
-    _tile_stored(0, acc, stride_acc);
-    if (nt == 2) _tile_stored(1, acc + PANEL, stride_acc);
-    if (mt == 2) _tile_stored(2, lower, stride_acc);
-    if (mt == 2 && nt == 2) _tile_stored(3, lower + PANEL, stride_acc);
-}
+DEFINE_AMX_BLOCK(bf16_amx_block, uint16_t, uint16_t, float, AMX_BF16_K, _tile_dpbf16ps)
 
 /* Rows [0, M) of kvrail_linear_bf16_packed on the tile unit, panels [begin, end). */
 static void linear_bf16_packed_amx(const struct kvrail_bf16_packed_args *a, int64_t begin,
