@@ -712,8 +712,10 @@ struct kvrail_bf16_packed_args {
  * --per-layer-weights`, results/linear_kernels-amx-packed.md), against oneDNN's bf16 matmul:
  * 0.52x its time at M = 1-5, 0.55-0.62x at 16-64, 0.82x at 128, 0.91x at 256, 1.47x at 2048
  * (without the SiLU-and-multiply pass oneDNN's output still needs). Replacing oneDNN above
- * 16 tokens and the float kernel's tiles over plain weights below (W the A operand): a bf16
- * decode step of 128 requests 127.7 -> 100.6 ms, now one graph (`python -m
+ * 16 tokens and the float kernel's tiles over plain weights below (W the A operand): in a
+ * 2048-token prompt step the linears and SiLU-and-multiply 397 -> 216 ms (`profile_step
+ * --skip-steps 2 --steps 4`), a bf16 decode step of 128 requests 127.7 -> 100.6 ms, now one
+ * graph (`python -m
  * benchmarks.profile_step --attention-backends cpu --num-requests 128 --input-len 64:512
  * --output-len 64:256 --skip-steps 60 --steps 10`), single-stream decode 92.0 -> 99.5 tok/s
  * (`benchmarks.latency --baseline-ref 37cbec7`, results/latency-amx-packed.md). */

@@ -39,10 +39,11 @@ def cpu_float_kernel_max_tokens(dtype: torch.dtype) -> int:
     results/linear_kernels-zen4-packed.md), packed / oneDNN 0.55 at M = 1, 0.45-0.56 at
     2-64, 0.79 at 128, 0.93 at 256, 0.76 at 2048; on the tile unit (AMX-BF16), on 2 vCPUs of
     an AMX Xeon (results/linear_kernels-amx-packed.md), 0.52 at M = 1-5, 0.55-0.62 at 16-64,
-    0.82 at 128, 0.91 at 256, 1.47 at 2048, where the fused SiLU-and-multiply makes up for it
-    in the engine: the full workload in bf16 (`python -m benchmarks.throughput --configs int8
-    --baseline-ref 37cbec7 --baseline-configs default --peers none`,
-    results/throughput-full-amx-packed.md) 33.5 -> 26.6 s."""
+    0.82 at 128, 0.91 at 256, 1.47 at 2048; yet in the engine's 2048-token prompt steps the
+    linears with the SiLU-and-multiply took 216 ms against oneDNN's 397 (`cpu_linear.c`), and
+    the full workload in bf16 (`python -m benchmarks.throughput --configs int8 --baseline-ref
+    37cbec7 --baseline-configs default --peers none`, results/throughput-full-amx-packed.md)
+    33.5 -> 26.6 s."""
     from engine.kernels.cpu_build import cpu_bf16_unit
 
     return ALL_TOKENS if dtype == torch.bfloat16 and cpu_bf16_unit() is not None else 8
