@@ -29,9 +29,10 @@ def auto_disable_by_batch_size(
     In bf16 on the tile unit of a CPU with AMX-BF16, on 2 vCPUs of an AMX Xeon (2026-12-06,
     the packed kernel on the tiles; the same commands, and the batch row of
     results/spec_decode-amx-packed.md for 32): 1.31x at 8, 1.04x at 16, 0.98x at 24, 0.95x at
-    32 (1.04-1.15x at 32 while oneDNN multiplied larger steps' rows, eagerly), so 16. Measured elsewhere, where no threshold helped: the AVX2 EPYC in fp32
-    1.07x at 32 requests, 1.02x at 64, 0.92x at 128 (64 as the threshold: 0.94x); not
-    measured with int8 weights or on CUDA.
+    32 (1.04-1.15x at 32 while oneDNN multiplied larger steps' rows, eagerly), so 16.
+    Measured elsewhere, where no threshold helped: the AVX2 EPYC in fp32 1.07x at 32
+    requests, 1.02x at 64, 0.92x at 128 (64 as the threshold: 0.94x); not measured with int8
+    weights or on CUDA.
     """
     from engine.kernels.cpu_build import cpu_bf16_unit
 
