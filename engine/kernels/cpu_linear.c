@@ -473,6 +473,16 @@ static void amx_load_config(int rows) {
     _tile_loadconfig(&config);
 }
 
+/* The next block of a tile kernel's chunk of rows [.., m1), from row m: *mt tiles (1 or 2) of
+ * the returned rows each, 16 or the chunk's last few; the tiles are configured for them when
+ * that changes (*rows: the rows configured). */
+static inline int amx_next_block(int64_t m, int64_t m1, int *rows, int *mt) {
+    const int tile_rows = m1 - m < AMX_TILE_ROWS ? (int)(m1 - m) : AMX_TILE_ROWS;
+    *mt = m1 - m < AMX_ROWS ? 1 : 2;
+    if (tile_rows != *rows) amx_load_config(*rows = tile_rows);
+    return tile_rows;
+}
+
 /* NAME(x, stride_x, w, panel_elems, K, mt, nt, acc): acc[i][j * PANEL + c] (row stride
  * MAX_NT * PANEL) = sums of rows 0..16 mt - 1 of x (row stride stride_x elements) against nt
  * panels (mt, nt: 1 or 2) from w, panels panel_elems apart, K a multiple of K_STEP: one tile
@@ -574,15 +584,12 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
      * and the block's outputs are written row by row across the thread's columns. */
     for (int64_t m0 = 0; m0 < amx_rows; m0 += AMX_M_BLOCK) {
         const int64_t m1 = m0 + AMX_M_BLOCK < amx_rows ? m0 + AMX_M_BLOCK : amx_rows;
-        const int64_t full_end = m0 + (m1 - m0) / AMX_TILE_ROWS * AMX_TILE_ROWS;
-        int rows = 0; /* the tiles' configured rows */
+        int rows = 0, mt; /* the tiles' configured rows */
         /* pairs of panels: with silu_mul, a (gate, up) pair, as the range starts even */
         for (int64_t p = begin; p < end; p += 2) {
             const int nt = end - p < 2 ? (int)(end - p) : 2;
             for (int64_t m = m0; m < m1;) {
-                const int tile_rows = m < full_end ? AMX_TILE_ROWS : (int)(m1 - m);
-                const int mt = m1 - m < AMX_ROWS ? 1 : 2;
-                if (tile_rows != rows) amx_load_config(rows = tile_rows);
+                const int tile_rows = amx_next_block(m, m1, &rows, &mt);
                 int32_t acc[AMX_ROWS * MAX_NT * PANEL] __attribute__((aligned(64)));
                 w8a8_amx_block(a->x_q + m * k_padded, k_padded, a->w_packed + p * panel_bytes,
                                panel_bytes, k_padded, mt, nt, acc);
@@ -730,17 +737,14 @@ static void linear_bf16_packed_amx(const struct kvrail_bf16_packed_args *a, int6
     const int64_t out_size = dtype_size(a->out_dtype);
     for (int64_t m0 = 0; m0 < M; m0 += AMX_M_BLOCK) {
         const int64_t m1 = m0 + AMX_M_BLOCK < M ? m0 + AMX_M_BLOCK : M;
-        const int64_t full_end = m0 + (m1 - m0) / AMX_TILE_ROWS * AMX_TILE_ROWS;
-        int rows = 0; /* the tiles' configured rows */
+        int rows = 0, mt; /* the tiles' configured rows */
         for (int64_t p = begin; p < end; p += 2) {
             const int nt = end - p < 2 ? (int)(end - p) : 2;
             __m512 b[2];
             for (int j = 0; j < nt; j++)
                 b[j] = a->bias ? _mm512_loadu_ps(a->bias + (p + j) * PANEL) : _mm512_setzero_ps();
             for (int64_t m = m0; m < m1;) {
-                const int tile_rows = m < full_end ? AMX_TILE_ROWS : (int)(m1 - m);
-                const int mt = m1 - m < AMX_ROWS ? 1 : 2;
-                if (tile_rows != rows) amx_load_config(rows = tile_rows);
+                const int tile_rows = amx_next_block(m, m1, &rows, &mt);
                 float acc[AMX_ROWS * MAX_NT * PANEL] __attribute__((aligned(64)));
                 bf16_amx_block(a->x + m * a->stride_x, a->stride_x, a->w_packed + p * panel_elems,
                                panel_elems, K, mt, nt, acc);
