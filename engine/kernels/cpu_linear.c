@@ -145,18 +145,18 @@ static void quantize_row(const void *x, int dtype, int64_t K, int64_t k_padded, 
 #endif
 
 #if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-/* AVX2 has no u8 x s8 dot product that cannot saturate (vpmaddubsw saturates its int16 pair
- * sums), so bytes are widened to int16 and multiplied by vpmaddwd, exact in int32: 16 products
- * an instruction, 2 a cycle on Zen 3 (measured: vpmaddwd, vpmaddubsw and vfmadd231ps all run
- * 2 a cycle), twice the fp32 FMA's rate. A tile's activations are widened once per chunk of k
- * into `xw`, so a broadcast is one load; each weight vector (4 columns x 4 k) is widened once
- * for all its rows. 6 rows x 2 vectors: 12 accumulators, 2 weights, an activation and a
- * product fill the 16 registers. Measured on a 2-vCPU AVX2 EPYC
- * (`python -m benchmarks.linear_kernels`, the 121 matmuls of a SmolLM2 pass,
- * `results/linear_kernels-avx2-w8a8tile.md`), against the previous tile of 2 rows that widened
- * the weights for every row pair and an activation at every broadcast
- * (`results/linear_kernels-avx2.md`, the same machine kind): M = 64 152 -> 79 ms,
- * M = 256 574 -> 412 ms (torch fp32 there: 153 and 578 ms), M = 1 about the same (9.2 ms). */
+/* AVX2 has no u8 x s8 dot product that cannot saturate (vpmaddubsw saturates its int16 pair sums),
+ * so bytes are widened to int16 and multiplied by vpmaddwd, exact in int32: 16 products an
+ * instruction, 2 a cycle on Zen 3 (as vpmaddubsw and vfmadd231ps), but 1.4-1.6 a cycle with the
+ * vpaddd that accumulates each: about 1.5x the fp32 FMA's products, not 2x (by hand, 2026-12-07,
+ * benchmarks/README.md's Zen 3 paragraphs). A tile's activations are widened once per chunk of k
+ * into `xw`, so a broadcast is one load; each weight vector (4 columns x 4 k) is widened once for
+ * all its rows. 6 rows x 2 vectors: 12 accumulators, 2 weights, an activation and a product fill
+ * the 16 registers. Measured on a 2-vCPU AVX2 EPYC (`python -m benchmarks.linear_kernels`, the 121
+ * matmuls of a SmolLM2 pass, `results/linear_kernels-avx2-w8a8tile.md`), against the previous tile
+ * of 2 rows that widened the weights for every row pair and an activation at every broadcast
+ * (`results/linear_kernels-avx2.md`, the same machine kind): M = 64 152 -> 79 ms, M = 256 574 ->
+ * 412 ms (torch fp32 there: 153 and 578 ms), M = 1 about the same (9.2 ms). */
 #define AVX2_KCHUNK 2048 /* k per chunk of widened activations (6 rows: 24 KiB of stack) */
 /* raw[i * MAX_NT * 4 + v] += sums of row i of `xw` against weight vector v < nv of `wg`, over
  * ng groups of 4 k: nv = 2, half a panel, for tiles of 3-6 rows; nv = 4, the whole group of
