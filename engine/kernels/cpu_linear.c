@@ -722,10 +722,10 @@ struct kvrail_bf16_packed_args {
  * 16 tokens and the float kernel's tiles over plain weights below (W the A operand): in a
  * 2048-token prompt step the linears and SiLU-and-multiply 397 -> 216 ms (`profile_step
  * --skip-steps 2 --steps 4`), a bf16 decode step of 128 requests 127.7 -> 100.6 ms, now one
- * graph (`python -m
- * benchmarks.profile_step --attention-backends cpu --num-requests 128 --input-len 64:512
- * --output-len 64:256 --skip-steps 60 --steps 10`), single-stream decode 92.0 -> 99.5 tok/s
- * (`benchmarks.latency --baseline-ref 37cbec7`, results/latency-amx-packed.md). */
+ * graph (`python -m benchmarks.profile_step --attention-backends cpu --num-requests 128
+ * --input-len 64:512 --output-len 64:256 --skip-steps 60 --steps 10`), single-stream decode
+ * 92.0 -> 99.5 tok/s (`benchmarks.latency --baseline-ref 37cbec7`,
+ * results/latency-amx-packed.md). */
 #define AMX_BF16_K 32 /* k per tile step: 32 bf16, one 64-byte tile row */
 
 DEFINE_AMX_BLOCK(bf16_amx_block, uint16_t, uint16_t, float, AMX_BF16_K, _tile_dpbf16ps)
@@ -1025,8 +1025,7 @@ struct kvrail_float_linear_args {
     int64_t out_dtype;  /* out's: x's, or float32 (the sums as they are) */
 };
 
-/* out = x w^T (+ bias) for small M; every thread takes a range of 4-column tiles (of 16 on
- * the tile unit). */
+/* out = x w^T (+ bias) for small M; every thread takes a range of 4-column tiles. */
 void kvrail_linear_float(const struct kvrail_float_linear_args *a, int tid, int num_threads) {
     const int64_t K = a->in_features, N = a->out_features, M = a->num_tokens;
     const int64_t esize = dtype_size(a->dtype);
