@@ -6,9 +6,7 @@ context into a padded copy per layer and runs SDPA over it; here one call of eac
 its prompts (fresh or chunked over cached context), each reading the paged cache in place,
 with no padding and no bucketing. With an fp8 cache the kernels decode the e4m3 bytes
 themselves, and a bf16 cache under a float32 model they widen; q and the output stay in the
-model dtype. One exception: where torch's SDPA runs on
-AMX-BF16 tiles, fresh bf16 prompts of `DENSE_PROMPT_MIN_LEN` tokens or more (no cached context:
-their k and v are the step's own) go through it instead (`cpu_attention.dense_prompt_attention`).
+model dtype.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ import torch
 
 from engine.attention import AttentionBackend, CommonAttentionMetadata
 from engine.kernels import cpu_attention, cpu_runtime
-from engine.kernels.cpu_build import has_amx_bf16
 from engine.kernels.cpu_ops import write_kv_cache
 
 
@@ -30,10 +27,6 @@ class CpuAttentionMetadata:
     # [num_decodes] int32, requests with query_len <= MAX_DECODE_QUERY_LEN (decodes, verify steps)
     decode_req_indices: torch.Tensor
     prefill_req_indices: torch.Tensor  # [num_prefills] int32, the others
-    # (first row, last row + 1) of each fresh prompt of >= DENSE_PROMPT_MIN_LEN tokens, and
-    # [n] int32 the other prefills: where `dense_prompt_attention` applies they split this way
-    dense_prompts: list[tuple[int, int]]
-    paged_prefill_req_indices: torch.Tensor
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
     seq_lens: torch.Tensor  # [num_reqs] int32
     block_table: torch.Tensor  # [num_reqs, max_num_blocks_per_req] int32
@@ -44,23 +37,16 @@ class CpuAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         cpu_runtime.library()  # build now: a missing compiler fails at startup
-        # Fresh bf16 prompts through torch's SDPA (`cpu_attention.DENSE_PROMPT_MIN_LEN`).
-        self.dense_prompts = has_amx_bf16()
 
     def build(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
         qsl = common.query_start_loc_cpu[: common.num_reqs + 1]
         query_lens = qsl[1:] - qsl[:-1]
-        seq_lens = common.seq_lens_cpu[: common.num_reqs]
         is_decode = query_lens <= cpu_attention.MAX_DECODE_QUERY_LEN
-        is_dense = (query_lens >= cpu_attention.DENSE_PROMPT_MIN_LEN) & (query_lens == seq_lens)
-        dense = is_dense.nonzero().squeeze(1).tolist()
         return CpuAttentionMetadata(
             slot_mapping=common.slot_mapping[: common.num_actual_tokens].long(),
             num_actual_tokens=common.num_actual_tokens,
             decode_req_indices=is_decode.nonzero().squeeze(1).int(),
             prefill_req_indices=(~is_decode).nonzero().squeeze(1).int(),
-            dense_prompts=[(int(qsl[r]), int(qsl[r + 1])) for r in dense],
-            paged_prefill_req_indices=(~is_decode & ~is_dense).nonzero().squeeze(1).int(),
             query_start_loc=qsl.contiguous(),
             seq_lens=common.seq_lens_cpu[: common.num_reqs].contiguous(),
             block_table=common.block_table[: common.num_reqs].contiguous(),
@@ -90,21 +76,9 @@ class CpuAttentionBackend(AttentionBackend):
             out[num_tokens:].zero_()
         args = (k_cache, v_cache, metadata.block_table, metadata.query_start_loc,
                 metadata.seq_lens)  # fmt: skip
-        prefill_req_indices = metadata.prefill_req_indices
-        if (
-            metadata.dense_prompts
-            and self.dense_prompts
-            and q.dtype == torch.bfloat16
-            and k_cache.dtype == q.dtype  # an fp8 cache: attention reads what it stores
-        ):
-            for first, last in metadata.dense_prompts:
-                cpu_attention.dense_prompt_attention(
-                    q[first:last], k[first:last], v[first:last], scale, out[first:last]
-                )
-            prefill_req_indices = metadata.paged_prefill_req_indices
         for kernel, req_indices in (
             (cpu_attention.paged_decode_attention, metadata.decode_req_indices),
-            (cpu_attention.paged_prefill_attention, prefill_req_indices),
+            (cpu_attention.paged_prefill_attention, metadata.prefill_req_indices),
         ):
             if req_indices.numel():
                 kernel(q, *args, req_indices, scale, out, k_scale, v_scale)

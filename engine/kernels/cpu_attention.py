@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 
 import torch
-import torch.nn.functional as F
 
 from engine.config import MAX_NUM_SPECULATIVE_TOKENS
 from engine.kernels.cpu_runtime import dtype_code, launch
@@ -26,33 +25,6 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # (greedy speculation then changes no token, in bf16 too). The decode kernel reads the context
 # once per query (from L2 after the first); the prompt kernel, once per 16 queries.
 MAX_DECODE_QUERY_LEN = 1 + MAX_NUM_SPECULATIVE_TOKENS
-
-
-# Fresh prompts (no cached context) of at least this many tokens go through torch's SDPA on the
-# step's own q, k and v, in bf16 on CPUs with AMX-BF16, where it multiplies on the tile unit:
-# on 2 vCPUs of an AMX Xeon (`python -m benchmarks.attention_kernels --prompt-lens 64,128,512`,
-# `results/attention_kernels-amx.md`), 4 prompts of 64 / 128 / 512 tokens took 0.10 / 0.30 /
-# 3.2 ms in it against 0.28 / 0.82 / 10.0 in the prompt kernel. The backend calls it a prompt
-# at a time, with a transpose in and out, so shorter prompts, where that fixed cost counts
-# most, stay on the kernel. Elsewhere (an AVX512-BF16 EPYC: 39-60 GFLOP/s against the prompt
-# kernel's 64-86) the prompt kernel is the faster.
-DENSE_PROMPT_MIN_LEN = 64
-
-
-def dense_prompt_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor
-) -> None:
-    """Causal attention of one fresh prompt's q `[L, num_heads, head_dim]` to its own k, v
-    `[L, num_kv_heads, head_dim]` through torch's SDPA, into out `[L, num_heads, head_dim]`."""
-    attended = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        is_causal=True,
-        scale=scale,
-        enable_gqa=True,
-    )
-    out.copy_(attended[0].transpose(0, 1))
 
 
 def supports_head_dim(head_dim: int) -> bool:

@@ -266,6 +266,50 @@ struct kvrail_attention_args {
     float scale, k_scale, v_scale;   /* fp8 caches hold x / k_scale, x / v_scale */
 };
 
+/* AMX (Xeons since Sapphire Rapids): the tile unit the linear and prompt-attention kernels use
+ * where the CPU has it. */
+#if defined(__AMX_TILE__) && (defined(__AMX_INT8__) || defined(__AMX_BF16__))
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KVRAIL_AMX_TILES 1
+#endif
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define KVRAIL_AMX 1
+#endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
+#define KVRAIL_AMX_BF16 1
+#endif
+
+#ifdef KVRAIL_AMX_TILES
+/* Linux grants a process the AMX tile state only on request; without it (an older kernel, a
+ * hypervisor that hides the state) the first tile instruction raises SIGILL. */
+static inline int amx_usable(void) {
+    static int usable = -1; /* every thread computes the same answer: the race is benign */
+    if (usable < 0)
+        usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                         18 /* XFEATURE_XTILEDATA */) == 0;
+    return usable;
+}
+
+struct amx_tile_config {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16]; /* bytes per row of each tile */
+    uint8_t rows[16];
+};
+
+/* Tiles 0-7 as rows of 64 bytes: tiles 0-5 (sums and A operands) `rows` rows (16, or fewer for
+ * a last block of tokens), tiles 6-7 (B operands: 64 int8 k, or 32 bf16 k as pairs) 16. */
+static inline void amx_load_config(int rows) {
+    struct amx_tile_config config = {.palette_id = 1};
+    for (int t = 0; t < 8; t++) {
+        config.rows[t] = t < 6 ? rows : 16;
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+}
+#endif
+
 /* [begin, end) of `n` items for thread `tid` of `num_threads`, in multiples of `unit`. */
 static inline void thread_range(int64_t n, int64_t unit, int tid, int num_threads, int64_t *begin,
                                 int64_t *end) {

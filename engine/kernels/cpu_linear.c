@@ -41,17 +41,6 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && (defined(__AMX_INT8__) || defined(__AMX_BF16__))
-#include <sys/syscall.h>
-#include <unistd.h>
-#define KVRAIL_AMX_TILES 1
-#endif
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-#define KVRAIL_AMX 1
-#endif
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
-#define KVRAIL_AMX_BF16 1
-#endif
 
 #include "cpu_common.h"
 
@@ -440,38 +429,11 @@ static void w8a8_dispatch(const uint8_t *xq, int64_t stride_xq, const int8_t *w,
 }
 
 #ifdef KVRAIL_AMX_TILES
-/* Linux grants a process the AMX tile state only on request; without it (an older kernel, a
- * hypervisor that hides the state) the first tile instruction raises SIGILL. */
-static int amx_usable(void) {
-    static int usable = -1; /* every thread computes the same answer: the race is benign */
-    if (usable < 0)
-        usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                         18 /* XFEATURE_XTILEDATA */) == 0;
-    return usable;
-}
-
-struct amx_tile_config {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16]; /* bytes per row of each tile */
-    uint8_t rows[16];
-};
-
-/* The W8A8 and packed bf16 kernels' tiles: blocks of rows x 2 panels. */
+/* The W8A8 and packed bf16 kernels' tiles: blocks of rows x 2 panels. Tiles 0-3
+ * (amx_load_config): sums for (row half, panel); 4-5: A of each row half; 6-7: B of each panel. */
 #define AMX_TILE_ROWS 16 /* tokens per A tile */
 #define AMX_ROWS 32      /* rows per AMX block: two A tiles; a last block may hold one */
 #define AMX_M_BLOCK 256  /* rows whose activations stay in L2 while every panel passes */
-
-/* Tiles 0-3: sums for (row half, panel); 4-5: A of each row half; 6-7: B of each panel.
- * Every tile is rows of 64 bytes: the sums and A tiles `rows` (16, or fewer for a last block),
- * the B tiles 16 (64 int8 k, or 32 bf16 k as pairs). */
-static void amx_load_config(int rows) {
-    struct amx_tile_config config = {.palette_id = 1};
-    for (int t = 0; t < 8; t++) {
-        config.rows[t] = t < 6 ? rows : 16;
-        config.colsb[t] = 64;
-    }
-    _tile_loadconfig(&config);
-}
 
 /* The next block of a tile kernel's chunk of rows [.., m1), from row m: *mt tiles (1 or 2) of
  * the returned rows each, 16 or the chunk's last few; the tiles are configured for them when

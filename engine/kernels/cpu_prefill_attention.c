@@ -9,9 +9,9 @@
  * tile's transposed keys (one vector of TILE scores per query row, no horizontal sums), the
  * online softmax, and O += P V. The loops over the keys of a tile and over head_dim are
  * written to vectorize (gcc, -O3 -march=native): AVX-512 or AVX2 alike. With a bf16 query and
- * AVX512-BF16, a transposed variant on bf16 pairs runs instead (DEFINE_PREFILL_DPBF16 below), and
- * with an fp32 query and AVX2 (no AVX-512), one in fp32 (DEFINE_PREFILL_AVX2), for head sizes 64
- * and 128.
+ * AMX-BF16, a variant on the tile unit runs instead (prefill_amx below); with a bf16 query and
+ * AVX512-BF16, a transposed variant on bf16 pairs (DEFINE_PREFILL_DPBF16); with an fp32 query and
+ * AVX2 (no AVX-512), one in fp32 (DEFINE_PREFILL_AVX2); each for head sizes 64 and 128.
  *
  * Sums are kept in several independent registers (4 over head_dim for a score, head_dim /
  * TILE for an output row): one running sum per row waits on each FMA's latency (measured:
@@ -415,6 +415,232 @@ static void NAME(const struct kvrail_attention_args *a, int tid, int num_threads
 
 DEFINE_64_AND_128(DEFINE_PREFILL_DPBF16, prefill_dpbf16_bf16, uint16_t, load32_bf16)
 DEFINE_64_AND_128(DEFINE_PREFILL_DPBF16, prefill_dpbf16_fp8, uint8_t, load32_e4m3)
+
+#ifdef KVRAIL_AMX_BF16
+/* With AMX-BF16 (and a bf16 query), both products run on the tile unit, and the softmax
+ * between them is exact rather than online: an item's scores against all its keys fit a
+ * thread's L2 (16 rows x 4 bytes a key). Per item and query head: S = Q K^T, 64 keys at a
+ * time (four 16 x 16 fp32 sum tiles, the query's head_dim / 32 A tiles), stored row by row;
+ * each row's maximum, exponentials and sum over the keys it sees (AVX-512, exp16), its weights
+ * rounded to bf16 as flash attention's P is; then O = P V, 64 dimensions at a time (four sum
+ * tiles, an A tile of 32 keys' weights), scaled by 1 / sum on the way out. The tile unit reads
+ * its B operand as pairs along k: the keys transposed into (k[2p], k[2p + 1]) columns, V as
+ * (v[2t][d], v[2t + 1][d]) rows. Each thread stages a (request, kv head)'s K and V that way
+ * once, as far as its items reach (amx_stage), and its items of that head, tiles of 16 queries
+ * in order, reuse them. On 2 vCPUs of an AMX Xeon, cache-resident, against the AVX512-BF16
+ * variant above and torch's SDPA over dense tensors (`python -m benchmarks.attention_kernels
+ * --prompt-lens 64,128,512,2048 --baseline-ref HEAD`, results/attention_kernels-amx-prefill.md):
+ * 4 prompts of 64 / 128 / 512 / 2048 tokens 245 / 401 / 560 / 669 GFLOP/s, against 108 / 134 /
+ * 159 / 165 and SDPA's 120 / 195 / 295 / 467; the full workload in bf16 30.3 -> 27.6 s, int8 23.9
+ * -> 22.3 s (`benchmarks.throughput --baseline-ref`, results/throughput-full-amx-prefill.md). */
+#define AMX_KEYS 64 /* keys per pass of the score tiles: four tiles of 16 */
+
+static inline __m512i load32_cache(const void *p, size_t elem_size) {
+    return elem_size == 1 ? load32_e4m3(p) : load32_bf16(p);
+}
+
+/* One thread's copy of kv head g of request n (of req_indices), keys [0, keys), as B tiles of
+ * 16 rows x 64 bytes: kt[tile of 16 keys][slice s of 32 dimensions][pair p][key] holds the
+ * pair (k[32s + 2p], k[32s + 2p + 1]), vp[block of 32 keys][slice of 16 dimensions][key pair
+ * t][dimension d] the pair (v[2t][d], v[2t + 1][d]). Keys past `keys`, up to the next multiple
+ * of AMX_KEYS, are zeros. */
+struct amx_staged {
+    int64_t n;
+    int g, keys;
+    uint32_t *kt, *vp;
+};
+
+/* Extends `st` to num_keys keys (from its last partial group of AMX_KEYS). */
+static inline __attribute__((always_inline)) void amx_stage(
+    struct amx_staged *st, const struct kvrail_attention_args *a, const int32_t *blocks,
+    int num_keys, size_t elem_size, int hd) {
+    const int bs_shift = __builtin_ctz((unsigned)a->block_size);
+    const char *k_cache = a->k_cache, *v_cache = a->v_cache;
+    const int from = st->keys & ~(AMX_KEYS - 1);
+    const int to = (num_keys + AMX_KEYS - 1) & ~(AMX_KEYS - 1);
+    /* vpermt2w indices: words 0-15 (16-31) of two rows interleaved */
+    const __m512i first16 = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10,
+                                             41, 9, 40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3,
+                                             34, 2, 33, 1, 32, 0);
+    const __m512i last16 = _mm512_add_epi16(first16, _mm512_set1_epi16(16));
+    int64_t offset[AMX_KEYS]; /* bytes from the cache's start to the key's row of head g */
+    for (int t0 = from; t0 < to; t0 += AMX_KEYS) {
+        for (int t = 0; t < AMX_KEYS; t++)
+            offset[t] = t0 + t < num_keys ? (row_offset(blocks, bs_shift, t0 + t) *
+                                                 a->num_kv_heads + st->g) * hd * (int64_t)elem_size
+                                          : -1;
+        for (int t = 0; t < AMX_KEYS; t += 16)
+            for (int s = 0; s < hd / 32; s++) {
+                __m512 r[16];
+                for (int u = 0; u < 16; u++)
+                    r[u] = offset[t + u] < 0 ? _mm512_setzero_ps()
+                                             : _mm512_castsi512_ps(load32_cache(
+                                                   k_cache + offset[t + u] + 32 * s * elem_size,
+                                                   elem_size));
+                transpose16(r);
+                uint32_t *kt = st->kt + ((int64_t)(t0 + t) / 16 * (hd / 32) + s) * 256;
+                for (int p = 0; p < 16; p++) _mm512_store_ps((float *)(kt + 16 * p), r[p]);
+            }
+        for (int t = 0; t < AMX_KEYS; t += 2)
+            for (int s = 0; s < hd / 32; s++) {
+                __m512i r[2];
+                for (int u = 0; u < 2; u++)
+                    r[u] = offset[t + u] < 0
+                               ? _mm512_setzero_si512()
+                               : load32_cache(v_cache + offset[t + u] + 32 * s * elem_size,
+                                              elem_size);
+                uint32_t *vp = st->vp + ((int64_t)(t0 + t) / 32 * (hd / 16) + 2 * s) * 256 +
+                               (t % 32) / 2 * 16;
+                _mm512_store_si512(vp, _mm512_permutex2var_epi16(r[0], first16, r[1]));
+                _mm512_store_si512(vp + 256, _mm512_permutex2var_epi16(r[0], last16, r[1]));
+            }
+    }
+    st->keys = num_keys;
+}
+
+static inline __attribute__((always_inline)) void prefill_amx(
+    const struct kvrail_attention_args *a, int tid, int num_threads, size_t elem_size, int hd) {
+    const uint16_t *q = a->q;
+    uint16_t *out = a->out;
+    const int num_heads = (int)a->num_heads, group = num_heads / (int)a->num_kv_heads;
+    const float unit = cache_operand_unit(elem_size);
+    const __m512 score_scale = _mm512_set1_ps(a->scale * a->k_scale * unit);
+    /* Room for the longest context of the call, in keys (a multiple of AMX_KEYS). */
+    int64_t cap = AMX_KEYS;
+    for (int64_t n = 0; n < a->num_requests; n++) {
+        const int64_t len = (a->seq_lens[a->req_indices[n]] + AMX_KEYS - 1) & ~(AMX_KEYS - 1);
+        cap = len > cap ? len : cap;
+    }
+    struct amx_staged st = {.n = -1, .kt = aligned_alloc(64, (size_t)(cap * hd * 2)),
+                            .vp = aligned_alloc(64, (size_t)(cap * hd * 2))};
+    float *s = aligned_alloc(64, (size_t)(16 * cap * 4));       /* [16][cap] scores */
+    uint16_t *pw = aligned_alloc(64, (size_t)(16 * cap * 2));   /* [16][cap] bf16 weights */
+    uint16_t qa[4][16][32] __attribute__((aligned(64)));        /* A tiles: head_dim <= 128 */
+    float o[16][64] __attribute__((aligned(64)));
+    amx_load_config(16);
+    for (struct prefill_item it = {0}; next_prefill_item(a, tid, num_threads, 16, &it);) {
+        const int start = it.start, i0 = it.q0, nq = it.nq;
+        const int num_keys = start + i0 + nq; /* the last query's context */
+        const int n32 = (num_keys + 31) & ~31, n64 = (num_keys + 63) & ~63;
+        if (st.n != it.n || st.g != it.kv_head) {
+            st.n = it.n;
+            st.g = it.kv_head;
+            st.keys = 0;
+        }
+        if (st.keys < num_keys)
+            amx_stage(&st, a, a->block_table + it.req * a->stride_bt, num_keys, elem_size, hd);
+        for (int j = 0; j < group; j++) {
+            const int64_t head = (int64_t)it.kv_head * group + j;
+            /* Row i of the A tiles: query i0 + i (zeros past nq), 32 dimensions a tile. */
+            for (int i = 0; i < 16; i++)
+                for (int c = 0; c < hd / 32; c++)
+                    _mm512_store_si512(
+                        qa[c][i], i < nq ? cache_operand_bf16(
+                                               _mm512_loadu_si512(
+                                                   q + (it.first + i0 + i) * a->stride_q +
+                                                   head * hd + 32 * c),
+                                               elem_size)
+                                         : _mm512_setzero_si512());
+            for (int t0 = 0; t0 < n64; t0 += AMX_KEYS) { /* S = Q K^T */
+                const uint32_t *kt = st.kt + (int64_t)t0 / 16 * (hd / 32) * 256;
+                const int64_t tile = (hd / 32) * 256; /* dwords between key tiles */
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int c = 0; c < hd / 32; c++) {
+                    _tile_loadd(4, qa[c], 64);
+                    _tile_loadd(6, kt + c * 256, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_loadd(7, kt + tile + c * 256, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_loadd(6, kt + 2 * tile + c * 256, 64);
+                    _tile_dpbf16ps(2, 4, 6);
+                    _tile_loadd(7, kt + 3 * tile + c * 256, 64);
+                    _tile_dpbf16ps(3, 4, 7);
+                }
+                _tile_stored(0, s + t0, cap * 4);
+                _tile_stored(1, s + t0 + 16, cap * 4);
+                _tile_stored(2, s + t0 + 32, cap * 4);
+                _tile_stored(3, s + t0 + 48, cap * 4);
+            }
+            float inv[16]; /* v_scale (and the cache's unit) / the row's sum */
+            for (int i = 0; i < 16; i++) { /* query i sees keys [0, start + i0 + i] */
+                const float *si = s + i * cap;
+                uint16_t *pi = pw + i * cap;
+                const int seen = i < nq ? start + i0 + i + 1 : 0;
+                __m512 row_max = _mm512_set1_ps(-FLT_MAX);
+                for (int t = 0; t < seen; t += 16)
+                    row_max = _mm512_mask_max_ps(row_max, lanes_below(seen - t), row_max,
+                                                 _mm512_load_ps(si + t));
+                const __m512 m = _mm512_mul_ps(_mm512_set1_ps(_mm512_reduce_max_ps(row_max)),
+                                               score_scale);
+                __m512 sum = _mm512_setzero_ps();
+                for (int t = 0; t < n32; t += 16) {
+                    const __m512 p = _mm512_maskz_mov_ps(
+                        lanes_below(seen - t),
+                        exp16(_mm512_fmsub_ps(_mm512_load_ps(si + t), score_scale, m)));
+                    sum = _mm512_add_ps(sum, p);
+                    _mm256_store_si256((__m256i *)(pi + t),
+                                       (__m256i)_mm512_cvtneps_pbh(cache_operand(p, elem_size)));
+                }
+                inv[i] = seen ? a->v_scale * unit / _mm512_reduce_add_ps(sum) : 0.0f;
+            }
+            for (int d0 = 0; d0 < hd; d0 += 64) { /* O = P V, dimensions d0 .. d0 + 63 */
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int t0 = 0; t0 < n32; t0 += 32) {
+                    const uint32_t *vp = st.vp + ((int64_t)t0 / 32 * (hd / 16) + d0 / 16) * 256;
+                    _tile_loadd(4, pw + t0, cap * 2);
+                    _tile_loadd(6, vp, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_loadd(7, vp + 256, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_loadd(6, vp + 512, 64);
+                    _tile_dpbf16ps(2, 4, 6);
+                    _tile_loadd(7, vp + 768, 64);
+                    _tile_dpbf16ps(3, 4, 7);
+                }
+                _tile_stored(0, o[0], 256);
+                _tile_stored(1, o[0] + 16, 256);
+                _tile_stored(2, o[0] + 32, 256);
+                _tile_stored(3, o[0] + 48, 256);
+                for (int i = 0; i < nq; i++) {
+                    uint16_t *y = out + ((it.first + i0 + i) * num_heads + head) * hd + d0;
+                    const __m512 scale = _mm512_set1_ps(inv[i]);
+                    for (int c = 0; c < 64; c += 32)
+                        _mm512_storeu_si512(
+                            y + c, (__m512i)_mm512_cvtne2ps_pbh(
+                                       _mm512_mul_ps(_mm512_load_ps(o[i] + c + 16), scale),
+                                       _mm512_mul_ps(_mm512_load_ps(o[i] + c), scale)));
+                }
+            }
+        }
+    }
+    _tile_release();
+    free(st.kt);
+    free(st.vp);
+    free(s);
+    free(pw);
+}
+
+/* Instances for a bf16 and an fp8 cache: 0 where the tile unit cannot run them. */
+#define DEFINE_PREFILL_AMX(NAME, ELEM_SIZE)                                                        \
+static int NAME(const struct kvrail_attention_args *a, int tid, int num_threads) {                \
+    if (!amx_usable()) return 0;                                                                   \
+    if (a->head_dim == 64)                                                                         \
+        prefill_amx(a, tid, num_threads, ELEM_SIZE, 64);                                           \
+    else if (a->head_dim == 128)                                                                   \
+        prefill_amx(a, tid, num_threads, ELEM_SIZE, 128);                                          \
+    else                                                                                           \
+        return 0;                                                                                  \
+    return 1;                                                                                      \
+}
+DEFINE_PREFILL_AMX(prefill_amx_bf16, 2)
+DEFINE_PREFILL_AMX(prefill_amx_fp8, 1)
+#endif
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -599,6 +825,11 @@ void kvrail_prefill_attention(const struct kvrail_attention_args *a, int tid,
                               int num_threads) {
     const int bf16 = a->q_dtype == KVRAIL_BF16;
     const int cache = (int)a->cache_dtype;
+#ifdef KVRAIL_AMX_BF16
+    if (bf16 && (cache == KVRAIL_FP8_E4M3 ? prefill_amx_fp8(a, tid, num_threads)
+                                          : prefill_amx_bf16(a, tid, num_threads)))
+        return;
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (bf16 && (cache == KVRAIL_FP8_E4M3 ? prefill_dpbf16_fp8(a, tid, num_threads)
                                           : prefill_dpbf16_bf16(a, tid, num_threads)))
