@@ -1,4 +1,5 @@
-/* What every CPU kernel of kvrail shares: the team-function convention and bf16 conversions.
+/* What every CPU kernel of kvrail shares: the team-function convention, bf16 conversions and
+ * the AMX tile setup.
  *
  * A kernel is a team function, `void kvrail_X(const struct X_args *args, int tid, int
  * num_threads)`: called by every thread of one team, each doing its share of the work, split
