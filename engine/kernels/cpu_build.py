@@ -39,8 +39,8 @@ def cpu_flags() -> frozenset[str]:
 
 @functools.cache
 def has_amx_bf16() -> bool:
-    """Whether this CPU has AMX-BF16: the tile unit torch's bf16 SDPA and the C packed bf16
-    kernel run on."""
+    """Whether this CPU has AMX-BF16: the tile unit the C packed bf16 kernel and bf16 prompt
+    attention run on."""
     return "amx_bf16" in cpu_flags()
 
 

@@ -418,8 +418,9 @@ DEFINE_64_AND_128(DEFINE_PREFILL_DPBF16, prefill_dpbf16_fp8, uint8_t, load32_e4m
 
 #ifdef KVRAIL_AMX_BF16
 /* With AMX-BF16 (and a bf16 query), both products run on the tile unit, and the softmax
- * between them is exact rather than online: an item's scores against all its keys fit a
- * thread's L2 (16 rows x 4 bytes a key). Per item and query head: S = Q K^T, 64 keys at a
+ * between them is exact rather than online: an item's scores against all its keys stay in a
+ * thread's L2 for the contexts prompt steps see (16 rows x 4 bytes a key: 128 KB at 2,048
+ * keys; longer contexts stay correct, read from further out). Per item and query head: S = Q K^T, 64 keys at a
  * time (four 16 x 16 fp32 sum tiles, the query's head_dim / 32 A tiles), stored row by row;
  * each row's maximum, exponentials and sum over the keys it sees (AVX-512, exp16), its weights
  * rounded to bf16 as flash attention's P is; then O = P V, 64 dimensions at a time (four sum
