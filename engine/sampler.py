@@ -306,7 +306,12 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
     multiplied), then frequency (per occurrence) and presence (once) on output tokens."""
     rep = metadata.repetition_penalties.unsqueeze(1).expand_as(logits)
     rep = torch.where(metadata.seen_mask, rep, torch.ones_like(rep))
-    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    # A penalty below float32's range is 0 here: a forbidden token's -inf times it is NaN
+    # (it stays -inf) and a positive logit over it +inf (the largest float, so that the row
+    # still has a finite maximum to sample from).
+    logits = torch.where(logits > 0, logits / rep, logits * rep).nan_to_num(
+        nan=float("-inf"), posinf=torch.finfo(torch.float32).max
+    )
     counts = metadata.output_token_counts
     logits -= metadata.frequency_penalties.unsqueeze(1) * counts
     logits -= metadata.presence_penalties.unsqueeze(1) * (counts > 0)

@@ -315,6 +315,8 @@ class TokenChunk(_Message):
     # those found in the prefix cache)
     usage: dict[str, int] | None = None
     error: str | None = None
+    # the error is overload (a worker's waiting queue was full): the request may succeed later
+    retry: bool = _added_later(False)
     turn: int = _added_later(0)  # of a session
     # a session turn's first chunk: the turn's own prompt
     prompt_token_ids: list[int] | None = _added_later(None)  # noqa: RUF009 - a field()

@@ -65,6 +65,11 @@ async def ensure_group(r: aioredis.Redis) -> None:
             raise
 
 
+class GroupLost(Exception):
+    """The request stream's consumer group was gone (Redis restarted without its data, a
+    FLUSHALL) and is created again: the entries this consumer held are no longer pending."""
+
+
 class RequestConsumer:
     """One worker's view of the consumer group on `kvrail:requests`.
 
@@ -102,11 +107,7 @@ class RequestConsumer:
                     block=None if self._pending_cursor else self.block_ms,
                 )
             except ResponseError as e:
-                if "NOGROUP" not in str(e):
-                    raise
-                # The stream or group was deleted (FLUSHALL, manual cleanup): recreate it.
-                await ensure_group(self.r)
-                continue
+                await self._group_lost(e)
             entries = [_entry(i, f) for _, stream in reply or [] for i, f in stream]
             if self._pending_cursor is None:
                 return entries  # new entries: delivered once
@@ -115,6 +116,15 @@ class RequestConsumer:
                 continue
             self._pending_cursor = entries[-1].entry_id
             return await self._with_deliveries(entries)
+
+    async def _group_lost(self, error: ResponseError) -> None:
+        """Re-raise `error` unless it is NOGROUP; then create the group again (reading from the
+        stream's start) and raise `GroupLost`."""
+        if "NOGROUP" not in str(error):
+            raise error
+        await ensure_group(self.r)
+        self._pending_cursor, self._claim_cursor = None, "0-0"  # the new group has no PEL
+        raise GroupLost(str(error)) from None
 
     @property
     def caught_up(self) -> bool:
@@ -144,10 +154,7 @@ class RequestConsumer:
                 count=self.count,
             )
         except ResponseError as e:
-            if "NOGROUP" not in str(e):
-                raise
-            await ensure_group(self.r)
-            return []
+            await self._group_lost(e)
         cursor, claimed = reply[0], reply[1]
         self._claim_cursor = cursor.decode() if isinstance(cursor, bytes) else cursor
         # Redis 6.2 returns trimmed entries as (None, None): they have no id to act on.

@@ -75,7 +75,9 @@ class AddCommand:
 @dataclass
 class AbortCommand:
     request_id: str
-    reason: str  # "abort" (client asked), "deadline" or "unwritable" (its response key)
+    # "abort" (client asked), "deadline", "unwritable" (its response key), "lost" (Redis lost
+    # its entry: see `Worker._drop_lost`)
+    reason: str
 
 
 _STOP = object()  # abort everything silently (entries stay pending) and end the thread
@@ -100,7 +102,7 @@ class RequestAborted:
 class RequestFailed:
     request_id: str
     error: str
-    dead_letter: bool  # a bad request or an engine fault, as opposed to overload
+    overloaded: bool  # the waiting queue was full: to retry later, not a dead letter
 
 
 EngineEvent = StepOutputs | RequestAborted | RequestFailed
@@ -110,8 +112,8 @@ def request_failed(request_id: str, error: Exception) -> RequestFailed:
     """A request the engine does not take: a full waiting queue is overload, to retry later
     (not dead-lettered); anything else is a bad request, dead-lettered."""
     if isinstance(error, OverflowError):
-        return RequestFailed(request_id, f"{error}; retry later", dead_letter=False)
-    return RequestFailed(request_id, str(error), dead_letter=True)
+        return RequestFailed(request_id, f"{error}; retry later", overloaded=True)
+    return RequestFailed(request_id, str(error), overloaded=False)
 
 
 class EngineThread(threading.Thread):
@@ -281,13 +283,13 @@ class EngineThread(threading.Thread):
             # fail them all (their KV is freed) and keep going with the next ones.
             logger.exception("engine step failed")
             failed = self.engine.abort_all()
-            return [RequestFailed(rid, f"engine error: {e}", dead_letter=True) for rid in failed]
+            return [RequestFailed(rid, f"engine error: {e}", overloaded=False) for rid in failed]
         # A session the engine closed while it waited (finished, no outputs): its last turn
         # was answered in full, and the turn after it, if any, is recomputed.
         served = [o for o in outputs if o.error is None and (o.outputs or not o.finished)]
         events: list[EngineEvent] = [StepOutputs(served)] if served else []
         return events + [
-            RequestFailed(o.request_id, f"engine error: {o.error}", dead_letter=True)
+            RequestFailed(o.request_id, f"engine error: {o.error}", overloaded=False)
             for o in outputs
             if o.error is not None
         ]

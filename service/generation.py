@@ -55,6 +55,7 @@ from service.middleware import (
     retry_later,
 )
 from service.openai_protocol import (
+    RETRY_AFTER_BUSY_S,
     ApiError,
     ParseContext,
     ParsedRequest,
@@ -63,11 +64,10 @@ from service.openai_protocol import (
     StreamShape,
     TokenStrings,
     build_response,
+    chunk_error,
 )
 from service.settings import Settings
 from service.sse import EventStreamResponse, wait_for_disconnect
-
-RETRY_AFTER_BUSY_S = 1
 
 logger = logging.getLogger("kvrail.api")
 
@@ -437,7 +437,7 @@ async def _answer_whole(
         ended = [bool(c) and c[-1].is_last for c in results]
         unfinished = [r for r, done in zip(request_ids, ended, strict=True) if not done]
         await _abort(state.client, unfinished)
-        raise ApiError(500, failed.error, type="server_error", code="worker_error")
+        raise chunk_error(failed)
     body = build_response(parsed, state.model_name, results, prompts, state.token_str)
     return JSONResponse(body)
 

@@ -66,6 +66,11 @@ GUIDED_FIELDS: dict[str, tuple[str, tuple[type, ...]]] = {
 }
 
 
+# Seconds a client waits before retrying when the server is busy (its backlog, a worker's full
+# waiting queue): requests finish within seconds, so a second frees room.
+RETRY_AFTER_BUSY_S = 1
+
+
 class ApiError(Exception):
     """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
 
@@ -96,6 +101,20 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
+
+
+def chunk_error(chunk: TokenChunk) -> ApiError:
+    """What a worker's error chunk answers: overload (`retry`) a 429 to retry, as the API's own
+    backlog limit answers; anything else a 500."""
+    if chunk.retry:
+        return ApiError(
+            429,
+            chunk.error,
+            type="rate_limit_error",
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(RETRY_AFTER_BUSY_S)},
+        )
+    return ApiError(500, chunk.error, type="server_error", code="worker_error")
 
 
 class RequestBody(dict):
@@ -1174,8 +1193,7 @@ class StreamEvents:
             return []
         self.sent[prompt_index] = chunk.seq
         if chunk.error is not None:
-            error = ApiError(500, chunk.error, type="server_error", code="worker_error")
-            return [sse(error.body(), event_id(self.sent), event="error")]
+            return [sse(chunk_error(chunk).body(), event_id(self.sent), event="error")]
         events = []
         if first and self.shape.kind == "chat":
             role = {"role": "assistant", "content": ""}

@@ -120,9 +120,9 @@ class OutputProcessor:
         if f is None:
             return
         f.log.warning("request failed", reason=event.error)
-        error = f.chunk(finish_reason="error", error=event.error)
+        error = f.chunk(finish_reason="error", error=event.error, retry=event.overloaded)
         batch.add_chunk(f.request.response_key, error, f.entry_id, f.data)
-        if event.dead_letter:
+        if not event.overloaded:
             batch.dead.append((f.entry_id, f.data, event.error))
         batch.acks.append(f.entry_id)
         batch.done.append(event.request_id)

@@ -200,6 +200,33 @@ def test_penalties_only_on_rows_that_ask():
     assert not torch.equal(out[0, :3], logits[0, :3]) and torch.equal(out[0, 3:], logits[0, 3:])
 
 
+def test_a_penalty_that_underflows_float32_keeps_forbidden_tokens_out():
+    # 1e-300 is 0 in float32: forbidden (-inf) tokens times it were NaN, which argmax and the
+    # random draw picked; a grammar then refused the token (an engine error, a 500).
+    logits = random_logits(2)
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1e-300),
+        SamplingParams(temperature=1.0, repetition_penalty=1e-300),
+    ]
+    allowed = torch.zeros(2, V, dtype=torch.bool)
+    allowed[:, [4, 7]] = True
+    grammar_mask = (torch.tensor([0, 1]), allowed)
+    metadata = SamplingMetadata.build(
+        params,
+        prompt_token_ids=[list(range(V))] * 2,
+        output_token_ids=[[], []],
+        generators={1: torch.Generator().manual_seed(0)},
+        vocab_size=V,
+        eos_token_ids=[EOS] * 2,
+        device="cpu",
+        grammar_mask=grammar_mask,
+    )
+    for _ in range(20):
+        assert set(Sampler()(logits, metadata).sampled_token_ids.tolist()) <= {4, 7}
+    processed = Sampler.process_logits(logits, metadata)
+    assert not processed.isnan().any()
+
+
 def test_logit_bias_forces_a_token():
     logits = random_logits(16)
     params = [SamplingParams(temperature=1.0, logit_bias={5: 100.0}) for _ in range(8)]

@@ -65,7 +65,9 @@ async def test_read_drains_own_pending_first_then_new(redis_url):
 async def test_read_recreates_a_deleted_group_and_returns_trimmed_entries(redis_url):
     rb, r = await _clients(redis_url)
     consumer = streams.RequestConsumer(rb, r, "w1", block_ms=100)
-    assert await consumer.read() == []  # NOGROUP: created on the fly
+    with pytest.raises(streams.GroupLost):  # NOGROUP: created again, and said so
+        await consumer.read()
+    assert await consumer.read() == []
     entry = (await r.xadd(keys.requests, {"data": _request(0)})).decode()
     assert await consumer.read() == [(entry, _request(0), 1)]
     await r.xdel(keys.requests, entry)

@@ -48,6 +48,7 @@ class FakeWorker:
         self.tokens = tokens
         self.delay_s = delay_s
         self.error: str | None = None
+        self.retry = False  # the error is overload (a worker's full waiting queue)
         self.requests: list[GenerateRequest] = []
         self._task: asyncio.Task | None = None
         self._answers: set[asyncio.Task] = set()
@@ -81,7 +82,11 @@ class FakeWorker:
 
     def _chunks(self, request: GenerateRequest) -> list[TokenChunk]:
         if self.error:
-            return [TokenChunk(request.request_id, 0, error=self.error, finish_reason="error")]
+            return [
+                TokenChunk(
+                    request.request_id, 0, error=self.error, finish_reason="error", retry=self.retry
+                )
+            ]
         n = request.sampling.get("n", 1)
         top = request.sampling.get("logprobs")
         chunks = []
@@ -506,6 +511,23 @@ async def test_worker_error_chunk(http, worker):
     assert error["message"] == "engine exploded"
     events = parse_sse((await http.post("/v1/completions", json={**body, "stream": True})).text)
     assert events[0]["event"] == "error" and events[0]["data"]["error"]["message"]
+    assert events[-1]["data"] == "[DONE]"
+
+
+@pytest.mark.asyncio
+async def test_a_full_worker_queue_is_429_not_500(http, worker):
+    # Concurrent requests can pass the backlog check together and overfill a worker's waiting
+    # queue (seen under load: 22 of 931 burst requests got 500): that is overload, as the
+    # backlog limit's own 429 is.
+    worker.error, worker.retry = "waiting queue is full (32 requests); retry later", True
+    body = {"model": MODEL, "prompt": "x"}
+    response = await http.post("/v1/completions", json=body)
+    error = assert_error(response, 429)
+    assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+    assert error["message"] == worker.error and response.headers["Retry-After"] == "1"
+    events = parse_sse((await http.post("/v1/completions", json={**body, "stream": True})).text)
+    assert events[0]["event"] == "error"
+    assert events[0]["data"]["error"]["code"] == "rate_limit_exceeded"
     assert events[-1]["data"] == "[DONE]"
 
 

@@ -366,6 +366,42 @@ async def test_bad_entries_are_dead_lettered_and_the_worker_keeps_serving(engine
     assert await num_pending(redis) == 0
 
 
+async def test_a_full_waiting_queue_is_overload_to_retry_not_a_dead_letter(
+    model_dir, redis, redis_url, monkeypatch
+):
+    engine = LLMEngine.from_kwargs(model=model_dir, **{**ENGINE_KWARGS, "max_waiting_requests": 1})
+    release = threading.Event()
+    hold_steps(engine, monkeypatch, None, release=release)  # the first request stays waiting
+    ids = [f"r{i}" for i in range(4)]
+    for rid in ids:
+        await submit(redis, GenerateRequest(rid, prompt=PROMPT, sampling=dict(max_tokens=2)))
+    async with serving(engine, redis_url):
+        refused = [(await read_chunks(redis, rid))[-1] for rid in ids[1:]]
+        release.set()
+        done = await read_chunks(redis, ids[0])
+    assert done[-1].usage["completion_tokens"] == 2 and not done[-1].retry
+    assert all(c.retry and c.error.endswith("; retry later") for c in refused), refused
+    assert await redis.xrange(keys.dead) == []
+    assert await num_pending(redis) == 0
+
+
+async def test_requests_redis_lost_are_dropped_so_new_ones_are_served(
+    engine, redis, redis_url, monkeypatch
+):
+    # Reliability scenario 2b on a loaded machine: after Redis restarted empty, a new request
+    # waited over 30 s behind lost ones the worker went on generating for no reader.
+    hold_steps(engine, monkeypatch, ["held"])  # never finishes by itself
+    await submit(redis, GenerateRequest("held", prompt=PROMPT, sampling=dict(max_tokens=200)))
+    async with serving(engine, redis_url) as worker:
+        await until(lambda: engine.get_unfinished_request("held") is not None)
+        await redis.flushall()  # Redis without its data, as after an empty restart
+        await until(lambda: engine.get_unfinished_request("held") is None)
+        assert "held" not in worker.inflight
+        await submit(redis, GenerateRequest("after", prompt=PROMPT, sampling=dict(max_tokens=4)))
+        after = await read_chunks(redis, "after")
+    assert after[-1].usage["completion_tokens"] == 4
+
+
 async def test_priority_reaches_the_engine_which_refuses_it_under_fcfs(engine, redis, redis_url):
     """This engine schedules fcfs: priority 0 is served, another is the request's error (the
     engine's refusal, as vLLM's), dead-lettered as other requests the engine refuses."""
