@@ -1,8 +1,9 @@
 """The thin Redis Streams layer: connections, the request consumer group, response streams.
 
 Consumer side (`RequestConsumer`): a worker reads `kvrail:requests` through the group
-"engines", first its own pending entries (left by an earlier run under the same name), then new
-ones, and takes over entries of dead workers with XAUTOCLAIM. Entries are acknowledged only
+"engines", first its own pending entries (left by an earlier run under the same name, or by a
+read whose reply was lost: again after any error), then new ones, and takes over entries of
+dead workers with XAUTOCLAIM. Entries are acknowledged only
 once their request is answered; an entry read again (own pending entries, claims) comes with
 its delivery count, which the worker caps. Publisher side (`ResponsePublisher`): token chunks go
 to their response streams in one MULTI/EXEC per batch, each stream capped and given a TTL.
@@ -18,6 +19,8 @@ from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
 
 from queueing.schema import TokenChunk, keys
@@ -38,7 +41,14 @@ RESPONSE_MAXLEN = 1 << 20  # chunks per response stream: more than any request p
 
 def connect(url: str, blocking: bool = False) -> aioredis.Redis:
     """An asyncio client. `blocking` clients carry XREAD/XREADGROUP BLOCK calls: no socket
-    timeout (redis-py's default would cut a blocked read), so keep each BLOCK short instead."""
+    timeout (redis-py's default would cut a blocked read), so keep each BLOCK short instead.
+
+    They also carry the consumer group's reads (XREADGROUP, XAUTOCLAIM), which redis-py must
+    not send again on its own after a dropped connection (recent redis-py does by default,
+    10 times in 8.x): such a command may have run with its reply lost (Redis stopping between
+    the two), and running it again moves on, leaving the first run's entries pending under
+    this consumer with no one serving them until a claim 15 s later (docs/reliability.md item
+    31). Every caller of a blocking client already retries in its own loop, with backoff."""
     return aioredis.Redis.from_url(
         url,
         decode_responses=False,
@@ -46,6 +56,7 @@ def connect(url: str, blocking: bool = False) -> aioredis.Redis:
         socket_timeout=None if blocking else 5.0,
         socket_connect_timeout=5.0,
         health_check_interval=30,
+        **({"retry": Retry(NoBackoff(), 0)} if blocking else {}),
     )
 
 
@@ -73,7 +84,11 @@ class GroupLost(Exception):
 class RequestConsumer:
     """One worker's view of the consumer group on `kvrail:requests`.
 
-    `r_blocking` carries the blocking XREADGROUP (no socket timeout), `r` everything else.
+    `r_blocking` carries the reads that hand entries to this consumer, XREADGROUP and
+    XAUTOCLAIM (no socket timeout, no retries inside redis-py: `connect`), `r` everything
+    else. After any error, call `reread_pending()`: entries whose reply was lost, or read but
+    not yet served, are pending under this consumer and only a read of its own pending list
+    finds them.
     """
 
     def __init__(
@@ -94,8 +109,9 @@ class RequestConsumer:
         self._pending_cursor: str | None = "0"
         self._claim_cursor = "0-0"
 
-    async def read(self) -> list[Entry]:
-        """The next entries for this consumer; empty after one BLOCK with nothing new."""
+    async def read(self, count: int | None = None) -> list[Entry]:
+        """The next entries for this consumer, at most `count` (default `self.count`); empty
+        after one BLOCK with nothing new."""
         while True:
             start = self._pending_cursor or ">"
             try:
@@ -103,7 +119,7 @@ class RequestConsumer:
                     keys.group,
                     self.name,
                     {keys.requests: start},
-                    count=self.count,
+                    count=count or self.count,
                     block=None if self._pending_cursor else self.block_ms,
                 )
             except ResponseError as e:
@@ -126,6 +142,12 @@ class RequestConsumer:
         self._pending_cursor, self._claim_cursor = None, "0-0"  # the new group has no PEL
         raise GroupLost(str(error)) from None
 
+    def reread_pending(self) -> None:
+        """Read this consumer's own pending entries again, from the start, before new ones.
+        Entries the caller still serves come back too (their delivery counts grow by one): it
+        skips them."""
+        self._pending_cursor = "0"
+
     @property
     def caught_up(self) -> bool:
         """Whether `read()` has returned every own pending entry and now reads new ones."""
@@ -140,18 +162,19 @@ class RequestConsumer:
         pipe.xdel(keys.requests, *entry_ids)
         await pipe.execute()
 
-    async def claim_stale(self, min_idle_ms: int) -> list[Entry]:
-        """Take over entries pending longer than `min_idle_ms` in other consumers (dead
-        workers). Walks the pending list a page per call. Entries deleted from the stream
-        meanwhile are dropped from the pending list by Redis 7 and not returned."""
+    async def claim_stale(self, min_idle_ms: int, count: int | None = None) -> list[Entry]:
+        """Take over at most `count` (default `self.count`) entries pending longer than
+        `min_idle_ms` in other consumers (dead workers). Walks the pending list a page per
+        call. Entries deleted from the stream meanwhile are dropped from the pending list by
+        Redis 7 and not returned."""
         try:
-            reply = await self.r.xautoclaim(
+            reply = await self.r_blocking.xautoclaim(
                 keys.requests,
                 keys.group,
                 self.name,
                 min_idle_ms,
                 start_id=self._claim_cursor,
-                count=self.count,
+                count=count or self.count,
             )
         except ResponseError as e:
             await self._group_lost(e)

@@ -1,7 +1,9 @@
 """`kvrail worker`: serves `kvrail:requests` with one `LLMEngine`.
 
 Tasks on one asyncio loop (uvloop in production), each job in its own module:
-    ingest     XREADGROUP (own pending first, then new) and XAUTOCLAIM of dead workers' entries
+    ingest     XREADGROUP (own pending first, then new) and XAUTOCLAIM of dead workers' entries,
+               while the worker holds fewer than 2 x max_num_seqs requests (the rest waits in
+               the stream for a worker with room)
                -> `service.delivery`: decode, de-duplicate / resume / reject -> `EngineThread.add`
     control    XREAD `kvrail:control` -> abort requests this worker holds
     heartbeat  `service.heartbeat`: `kvrail:worker:{name}` with a short TTL; keeps held entries
@@ -55,7 +57,7 @@ class Worker:
         shutdown_grace_s: float | None = None,
         response_ttl_s: int | None = None,
         read_block_ms: int = 1000,
-        max_inflight: int = 256,
+        max_inflight: int | None = None,
         settings: Settings | None = None,
     ) -> None:
         # Arguments win over `settings` (`kvrail worker` passes the process's, read once).
@@ -67,7 +69,12 @@ class Worker:
             settings.shutdown_grace_s if shutdown_grace_s is None else shutdown_grace_s
         )
         response_ttl_s = response_ttl_s or settings.response_ttl_s
-        self.max_inflight = max_inflight
+        # Requests held at once (read, not yet answered): a full batch running and as many
+        # waiting to join it; the rest stays in the stream for whichever worker has room.
+        # Reading all it could, a worker of 2 sequences held ~20 requests after a Redis restart
+        # while the other idled, and the last waited past its client's 30 s timeout (reliability
+        # item 31).
+        self.max_inflight = max_inflight or 2 * engine.config.max_num_seqs
         # Held entries are touched several times per claim window, so a live worker's long
         # request never looks idle to another worker's XAUTOCLAIM.
         self.tick_s = min(1.0, self.claim_idle_ms / 4000)
@@ -176,11 +183,17 @@ class Worker:
     # ---- ingest and control --------------------------------------------------------------
 
     async def _ingest_loop(self) -> None:
+        # A (re)start after an error begins with own pending entries: a read whose reply was
+        # lost, or entries read but not yet delivered when the error came, left them there,
+        # and only a claim 15 s later would find them otherwise (reliability item 31).
+        self.consumer.reread_pending()
         next_claim = 0.0
         while not self._stopping.is_set():
-            while len(self.inflight) >= self.max_inflight:
+            room = self.max_inflight - len(self.inflight)
+            if room <= 0:
                 # Leave entries in the stream for other workers rather than queueing here.
                 await asyncio.sleep(0.05)
+                continue
             # Claims wait until own pending entries are read: a claimed entry joins them, and
             # reading them would deliver it a second time, counted towards the delivery cap
             # (measured: one entry delivered 8 times over the 6 kills of reliability
@@ -188,9 +201,10 @@ class Worker:
             try:
                 if self.consumer.caught_up and time.monotonic() >= next_claim:
                     next_claim = time.monotonic() + self.claim_idle_ms / 2000
-                    for entry in await self.consumer.claim_stale(self.claim_idle_ms):
+                    for entry in await self.consumer.claim_stale(self.claim_idle_ms, room):
                         await self.delivery.ingest(entry)
-                for entry in await self.consumer.read():
+                    continue  # room again, after what the claim took
+                for entry in await self.consumer.read(room):
                     await self.delivery.ingest(entry)
             except streams.GroupLost:
                 self._drop_lost()

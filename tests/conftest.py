@@ -52,3 +52,30 @@ def redis_url(redis_server):
     client.flushall()
     client.close()
     return redis_server.url
+
+
+@pytest.fixture
+def lose_a_reply(monkeypatch):
+    """`lose_a_reply("XREADGROUP")`: the next reply of that command handing out entries is lost
+    after Redis ran the command (the connection drops before the reply is read), as when Redis
+    stops between running a command and writing its reply (docs/reliability.md item 31)."""
+    from redis.asyncio.client import Redis
+    from redis.exceptions import ConnectionError
+
+    real_parse_response, armed = Redis.parse_response, set()
+
+    def hands_out_entries(command_name, reply) -> bool:
+        if command_name == "XAUTOCLAIM":  # [cursor, entries, deleted ids]
+            return bool(reply[1])
+        return any(entries for _, entries in reply or [])  # XREADGROUP: [[stream, entries]]
+
+    async def parse_response(self, connection, command_name, **options):
+        reply = await real_parse_response(self, connection, command_name, **options)
+        if command_name in armed and hands_out_entries(command_name, reply):
+            armed.discard(command_name)
+            await connection.disconnect()
+            raise ConnectionError(f"the reply of {command_name} was lost (injected)")
+        return reply
+
+    monkeypatch.setattr(Redis, "parse_response", parse_response)
+    return armed.add

@@ -6,7 +6,7 @@ import asyncio
 
 import msgpack
 import pytest
-from redis.exceptions import OutOfMemoryError
+from redis.exceptions import ConnectionError, OutOfMemoryError
 
 from queueing import streams
 from queueing.schema import (
@@ -113,6 +113,39 @@ async def test_dead_letter_records_entry_and_reason(redis_url):
     }
     assert big[b"data"] == huge[: streams.DEAD_LETTER_DATA_BYTES]
     assert int(big[b"data_bytes"]) == len(huge)
+    await rb.aclose()
+    await r.aclose()
+
+
+async def test_a_group_read_whose_reply_was_lost_fails_and_its_entries_are_read_again(
+    redis_url, lose_a_reply
+):
+    """Docs/reliability.md item 31: an XREADGROUP or XAUTOCLAIM that ran but whose reply was
+    lost (Redis stopping in between) left its entries pending under the consumer, and redis-py
+    sent the command again on its own, moving past them. Now the error reaches the caller, and
+    after `reread_pending` the consumer reads them from its pending list."""
+    rb, r = await _clients(redis_url)
+    await streams.ensure_group(r)
+    consumer = streams.RequestConsumer(rb, r, "w1", block_ms=100)
+    assert await consumer.read() == [] and consumer.caught_up
+    new = (await r.xadd(keys.requests, {"data": _request(0)})).decode()
+    lose_a_reply("XREADGROUP")
+    with pytest.raises(ConnectionError, match="XREADGROUP was lost"):
+        await consumer.read()
+    consumer.reread_pending()
+    assert [(e.entry_id, e.deliveries) for e in await consumer.read()] == [(new, 2)]
+    assert await consumer.read() == [] and consumer.caught_up
+    await consumer.ack(new)
+    # A claim of a dead consumer's entry, its reply lost: the entry is this consumer's now.
+    claimed = (await r.xadd(keys.requests, {"data": _request(1)})).decode()
+    await r.xreadgroup(keys.group, "dead", {keys.requests: ">"}, count=1)
+    lose_a_reply("XAUTOCLAIM")
+    with pytest.raises(ConnectionError, match="XAUTOCLAIM was lost"):
+        await consumer.claim_stale(0)
+    consumer.reread_pending()
+    got = await consumer.read()
+    assert [(e.entry_id, e.deliveries) for e in got] == [(claimed, 3)]
+    await consumer.ack(claimed)
     await rb.aclose()
     await r.aclose()
 

@@ -402,6 +402,45 @@ async def test_requests_redis_lost_are_dropped_so_new_ones_are_served(
     assert after[-1].usage["completion_tokens"] == 4
 
 
+async def test_a_read_whose_reply_was_lost_is_served_without_waiting_for_a_claim(
+    engine, redis, redis_url, lose_a_reply
+):
+    # Docs/reliability.md item 31: Redis stopped between running the worker's XREADGROUP and
+    # writing its reply; the entry sat pending under the worker, read by no one, until a claim
+    # (15 s idle), past its client's chunk timeout on a loaded machine.
+    lose_a_reply("XREADGROUP")
+    await submit(redis, GenerateRequest("lost", prompt=PROMPT, sampling=dict(max_tokens=4)))
+    async with serving(engine, redis_url, claim_idle_ms=600_000):
+        chunks = await read_chunks(redis, "lost")
+    assert chunks and chunks[-1].usage["completion_tokens"] == 4
+    assert await num_pending(redis) == 0
+
+
+async def test_a_worker_holds_two_batches_and_leaves_the_rest_to_a_worker_with_room(
+    model_dir, engine, redis, redis_url, monkeypatch
+):
+    # Docs/reliability.md item 31: a worker of 2 sequences read ~20 requests after a Redis
+    # restart while the other worker idled, and the last waited past its client's timeout.
+    busy = LLMEngine.from_kwargs(model=model_dir, **{**ENGINE_KWARGS, "max_num_seqs": 2})
+    release = threading.Event()
+    hold_steps(busy, monkeypatch, None, release=release)  # nothing it holds progresses
+    ids = [f"r{i}" for i in range(10)]
+    for rid in ids:
+        await submit(redis, GenerateRequest(rid, prompt=PROMPT, sampling=dict(max_tokens=3)))
+    async with serving(busy, redis_url, name="busy") as held:
+        await until(lambda: len(held.inflight) == 4)  # 2 x max_num_seqs
+        await asyncio.sleep(0.5)  # several reads' time: it takes no more
+        assert sorted(held.inflight) == ids[:4]
+        assert (await redis.xinfo_groups(keys.requests))[0]["lag"] == 6
+        async with serving(engine, redis_url, name="free"):
+            served = [await read_chunks(redis, rid) for rid in ids[4:]]
+        assert sorted(held.inflight) == ids[:4]
+        release.set()
+        served += [await read_chunks(redis, rid) for rid in ids[:4]]
+    assert [chunks[-1].usage["completion_tokens"] for chunks in served] == [3] * 10
+    assert await num_pending(redis) == 0
+
+
 async def test_priority_reaches_the_engine_which_refuses_it_under_fcfs(engine, redis, redis_url):
     """This engine schedules fcfs: priority 0 is served, another is the request's error (the
     engine's refusal, as vLLM's), dead-lettered as other requests the engine refuses."""
