@@ -349,8 +349,11 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     if not bool(((cum_probs[:, -1:] >= top_p.unsqueeze(1)) | ~has_top_p).all()):
         top_probs, top_idx = probs.sort(dim=-1, descending=True)
         cum_probs = top_probs.cumsum(dim=-1)
-    # A token stays while the mass ranked above it is short of top_p; unranked ones go.
+    # A token stays while the mass ranked above it is short of top_p; unranked ones go. The
+    # best one always stays: a top_p below float32's range (5e-324, schemathesis) is 0 here,
+    # which dropped every token, and a grammar then refused the token drawn (a 500).
     drop = (cum_probs - top_probs >= top_p.unsqueeze(1)) & has_top_p
+    drop[:, 0] = False
     mask = has_top_p.expand_as(logits).scatter(1, top_idx, drop)
     return logits.masked_fill(mask, float("-inf"))
 

@@ -236,6 +236,12 @@ class ResponseReader:
                 pipe.xadd(self.wake_key, {"k": key}, maxlen=WAKE_MAXLEN, approximate=True)
                 pipe.expire(self.wake_key, WAKE_TTL_S)
                 await pipe.execute()
+        except redis.RedisError as e:
+            # The wake only cuts the reader's BLOCK short: its next XREAD reads `key` all the
+            # same, the first once Redis answers again. Raising failed the stream of a request
+            # accepted just before Redis stopped (reliability scenario 2a, under load).
+            self._wake_sent = False
+            logger.warning("response reader: wake failed (%s); %s is read after the BLOCK", e, key)
         except BaseException:
             # The caller never gets `sub` to unsubscribe: drop it here, or it leaks.
             self._wake_sent = False

@@ -92,8 +92,12 @@ class Publisher:
         # may still hold their chunks, dropped from the next flush (which takes every batch
         # queued until then).
         self._unwritable: set[str] = set()
+        # Entries whose ack is queued and not yet written: still pending under this worker,
+        # so they count towards what it holds (`Worker.max_inflight`).
+        self.num_unacked = 0
 
     def put(self, batch: Batch) -> None:
+        self.num_unacked += len(batch.acks)
         self._batches.put_nowait(batch)
 
     def close(self) -> None:
@@ -127,6 +131,7 @@ class Publisher:
                 # Not a Redis error (those are retried): not acked, so the entries stay
                 # pending and are resumed by whoever claims them; keep publishing the rest.
                 log.exception("publishing failed", entries=merged.acks)
+            self.num_unacked -= sum(len(b.acks) for b in batches if b is not None)
             if stop:
                 return
 

@@ -69,7 +69,7 @@ class Worker:
             settings.shutdown_grace_s if shutdown_grace_s is None else shutdown_grace_s
         )
         response_ttl_s = response_ttl_s or settings.response_ttl_s
-        # Requests held at once (read, not yet answered): a full batch running and as many
+        # Entries held at once (read, not yet acknowledged): a full batch running and as many
         # waiting to join it; the rest stays in the stream for whichever worker has room.
         # Reading all it could, a worker of 2 sequences held ~20 requests after a Redis restart
         # while the other idled, and the last waited past its client's 30 s timeout (reliability
@@ -189,7 +189,7 @@ class Worker:
         self.consumer.reread_pending()
         next_claim = 0.0
         while not self._stopping.is_set():
-            room = self.max_inflight - len(self.inflight)
+            room = self.max_inflight - len(self.inflight) - self.publisher.num_unacked
             if room <= 0:
                 # Leave entries in the stream for other workers rather than queueing here.
                 await asyncio.sleep(0.05)

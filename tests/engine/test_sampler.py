@@ -227,6 +227,28 @@ def test_a_penalty_that_underflows_float32_keeps_forbidden_tokens_out():
     assert not processed.isnan().any()
 
 
+def test_a_top_p_that_underflows_float32_keeps_the_best_allowed_token():
+    # 5e-324 is 0 in float32: every token was dropped, the draw took token 0, and a grammar
+    # refused it (an engine error, a 500). The best token, of those allowed, is kept.
+    logits = random_logits(2)
+    params = [SamplingParams(temperature=1.0, top_p=5e-324) for _ in range(2)]
+    allowed = torch.zeros(2, V, dtype=torch.bool)
+    allowed[:, [4, 7]] = True
+    metadata = SamplingMetadata.build(
+        params,
+        prompt_token_ids=[[1], [1]],
+        output_token_ids=[[], []],
+        generators={i: torch.Generator().manual_seed(i) for i in range(2)},
+        vocab_size=V,
+        eos_token_ids=[EOS] * 2,
+        device="cpu",
+        grammar_mask=(torch.tensor([0, 1]), allowed),
+    )
+    best = torch.where(allowed, logits, float("-inf")).argmax(dim=-1)
+    for _ in range(10):
+        assert torch.equal(Sampler()(logits, metadata).sampled_token_ids, best)
+
+
 def test_logit_bias_forces_a_token():
     logits = random_logits(16)
     params = [SamplingParams(temperature=1.0, logit_bias={5: 100.0}) for _ in range(8)]

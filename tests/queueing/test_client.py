@@ -8,6 +8,8 @@ import time
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import ConnectionError
 
 from queueing.client import KvrailClient, SeqGapError, StreamTimeout
 from queueing.schema import Abort, GenerateRequest, TokenChunk, WorkerInfo, keys
@@ -105,6 +107,30 @@ async def test_new_stream_wakes_the_blocked_reader(redis_url, producer):
         await producer.write("fast", [0], last_seq=0)
         assert await asyncio.wait_for(reader, 5) == [0]
         assert time.monotonic() - start < 1.0
+
+
+@pytest.mark.asyncio
+async def test_a_wake_that_fails_leaves_the_stream_to_the_next_read(
+    redis_url, producer, monkeypatch
+):
+    """Redis stopping as a stream is opened: its wake failed, and so did the stream, though the
+    request had been accepted. The reader's next XREAD, after its BLOCK, reads it instead."""
+    async with KvrailClient(redis_url, block_ms=300) as client:
+        await asyncio.sleep(0.2)  # let the reader block on its wake stream
+        real_execute, calls = Pipeline.execute, []
+
+        async def wake_fails_once(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise ConnectionError("Connection reset by peer (injected)")
+            return await real_execute(self, *args, **kwargs)
+
+        monkeypatch.setattr(Pipeline, "execute", wake_fails_once)
+        reader = asyncio.create_task(collect(client, "woken"))
+        await asyncio.sleep(0.05)
+        await producer.write("woken", [0], last_seq=0)
+        assert await asyncio.wait_for(reader, 5) == [0]
+        assert len(calls) == 2  # the failed wake, then the producer's write
 
 
 @pytest.mark.asyncio
