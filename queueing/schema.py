@@ -317,6 +317,8 @@ class TokenChunk(_Message):
     error: str | None = None
     # the error is overload (a worker's waiting queue was full): the request may succeed later
     retry: bool = _added_later(False)
+    # the error is the request's own: the engine refused it as given (bad input, never retried)
+    invalid: bool = _added_later(False)
     turn: int = _added_later(0)  # of a session
     # a session turn's first chunk: the turn's own prompt
     prompt_token_ids: list[int] | None = _added_later(None)  # noqa: RUF009 - a field()

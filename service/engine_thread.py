@@ -103,6 +103,7 @@ class RequestFailed:
     request_id: str
     error: str
     overloaded: bool  # the waiting queue was full: to retry later, not a dead letter
+    invalid: bool = False  # the engine refused the request as given (ValueError, TypeError)
 
 
 EngineEvent = StepOutputs | RequestAborted | RequestFailed
@@ -110,10 +111,13 @@ EngineEvent = StepOutputs | RequestAborted | RequestFailed
 
 def request_failed(request_id: str, error: Exception) -> RequestFailed:
     """A request the engine does not take: a full waiting queue is overload, to retry later
-    (not dead-lettered); anything else is a bad request, dead-lettered."""
+    (not dead-lettered); anything else is a bad request, dead-lettered, and the request's own
+    fault when the engine said so by a ValueError or TypeError (say priority 2 on an engine
+    that schedules fcfs: a 500 schemathesis found, now a 400)."""
     if isinstance(error, OverflowError):
         return RequestFailed(request_id, f"{error}; retry later", overloaded=True)
-    return RequestFailed(request_id, str(error), overloaded=False)
+    invalid = isinstance(error, ValueError | TypeError)
+    return RequestFailed(request_id, str(error), overloaded=False, invalid=invalid)
 
 
 class EngineThread(threading.Thread):

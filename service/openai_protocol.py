@@ -105,7 +105,10 @@ class ApiError(Exception):
 
 def chunk_error(chunk: TokenChunk) -> ApiError:
     """What a worker's error chunk answers: overload (`retry`) a 429 to retry, as the API's own
-    backlog limit answers; anything else a 500."""
+    backlog limit answers; a request the engine refused as given (`invalid`) a 400; anything
+    else a 500."""
+    if chunk.invalid:
+        return ApiError(400, chunk.error)
     if chunk.retry:
         return ApiError(
             429,

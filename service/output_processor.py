@@ -120,7 +120,9 @@ class OutputProcessor:
         if f is None:
             return
         f.log.warning("request failed", reason=event.error)
-        error = f.chunk(finish_reason="error", error=event.error, retry=event.overloaded)
+        error = f.chunk(
+            finish_reason="error", error=event.error, retry=event.overloaded, invalid=event.invalid
+        )
         batch.add_chunk(f.request.response_key, error, f.entry_id, f.data)
         if not event.overloaded:
             batch.dead.append((f.entry_id, f.data, event.error))

@@ -49,6 +49,7 @@ class FakeWorker:
         self.delay_s = delay_s
         self.error: str | None = None
         self.retry = False  # the error is overload (a worker's full waiting queue)
+        self.invalid = False  # the error is the request's own (the engine refused it)
         self.requests: list[GenerateRequest] = []
         self._task: asyncio.Task | None = None
         self._answers: set[asyncio.Task] = set()
@@ -82,11 +83,8 @@ class FakeWorker:
 
     def _chunks(self, request: GenerateRequest) -> list[TokenChunk]:
         if self.error:
-            return [
-                TokenChunk(
-                    request.request_id, 0, error=self.error, finish_reason="error", retry=self.retry
-                )
-            ]
+            fields = dict(error=self.error, retry=self.retry, invalid=self.invalid)
+            return [TokenChunk(request.request_id, 0, finish_reason="error", **fields)]
         n = request.sampling.get("n", 1)
         top = request.sampling.get("logprobs")
         chunks = []
@@ -529,6 +527,19 @@ async def test_a_full_worker_queue_is_429_not_500(http, worker):
     assert events[0]["event"] == "error"
     assert events[0]["data"]["error"]["code"] == "rate_limit_exceeded"
     assert events[-1]["data"] == "[DONE]"
+
+
+@pytest.mark.asyncio
+async def test_a_request_the_engine_refuses_is_400_not_500(http, worker):
+    # Schemathesis: priority 2 on a worker whose engine schedules fcfs was a 500.
+    worker.error = "got priority 2 but priority scheduling is not enabled"
+    worker.invalid = True
+    body = {"model": MODEL, "prompt": "x", "priority": 2}
+    error = assert_error(await http.post("/v1/completions", json=body), 400)
+    assert error["type"] == "invalid_request_error" and error["message"] == worker.error
+    events = parse_sse((await http.post("/v1/completions", json={**body, "stream": True})).text)
+    assert events[0]["event"] == "error"
+    assert events[0]["data"]["error"]["type"] == "invalid_request_error"
 
 
 # ---- the official client -----------------------------------------------------------------------

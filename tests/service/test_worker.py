@@ -381,6 +381,7 @@ async def test_a_full_waiting_queue_is_overload_to_retry_not_a_dead_letter(
         done = await read_chunks(redis, ids[0])
     assert done[-1].usage["completion_tokens"] == 2 and not done[-1].retry
     assert all(c.retry and c.error.endswith("; retry later") for c in refused), refused
+    assert not any(c.invalid for c in refused)
     assert await redis.xrange(keys.dead) == []
     assert await num_pending(redis) == 0
 
@@ -451,7 +452,7 @@ async def test_priority_reaches_the_engine_which_refuses_it_under_fcfs(engine, r
         zero = await read_chunks(redis, "zero")
         (urgent,) = await read_chunks(redis, "urgent")
     assert zero[-1].usage["completion_tokens"] == 2
-    assert urgent.finish_reason == "error"
+    assert urgent.finish_reason == "error" and urgent.invalid and not urgent.retry
     assert urgent.error == (
         "got priority -1 but priority scheduling is not enabled (scheduling_policy='priority')"
     )
