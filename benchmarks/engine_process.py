@@ -54,6 +54,16 @@ def worktree(ref: str | None) -> Iterator[Path]:
         )
 
 
+def commit_of(ref: str) -> str:
+    """The full hash of the commit `ref` names in this repository."""
+    return subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", f"{ref}^{{commit}}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
 def rotated(names: Sequence[str], round_index: int) -> list[str]:
     """Round r's order: the names rotated by r."""
     r = round_index % len(names)

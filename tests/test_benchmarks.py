@@ -27,7 +27,7 @@ from benchmarks.common import (
 from benchmarks.kv_waste import simulate_contiguous, simulate_paged
 from benchmarks.profile_step import part_of
 from benchmarks.serve import comparison_rows, summarize_rounds
-from benchmarks.throughput import workload_work
+from benchmarks.throughput import TARGETS, report, workload_work
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = list(range(1000, 6000))  # a stand-in corpus: every window is recognisable
@@ -197,6 +197,65 @@ def test_workload_work_counts_by_hand():
     assert work["linear_tera_ops"] * 1e12 == pytest.approx(2 * (4 * body + 2 * 8 * 10))
     assert work["decode_kv_gigabytes"] * 1e9 == pytest.approx(4 * 2 * 4 * 2)
     assert work["prompt_attention_teraflops"] * 1e12 == pytest.approx(2 * 6 * 4 * 2 * 2)
+
+
+def test_throughput_targets_judge_int8_whatever_ran_after_it():
+    """With `--configs int8,int8-fp8-kv` the verdicts are int8's (issue 10 names int8), not
+    those of the configuration that happened to run last."""
+    args = SimpleNamespace(
+        num_requests=4, input_len=(8, 8), output_len=(4, 4), seed=0, max_num_seqs=4,
+        max_num_batched_tokens=64, kv_cache_memory_bytes=2**30, rounds=1, matmul_tokens=256,
+    )  # fmt: skip
+
+    def system(tokens_per_s):
+        return {"dtype": "d", "requests": 4, "seconds": 1.0, "output_tokens_per_s": tokens_per_s,
+                "total_tokens_per_s": 2 * tokens_per_s, "num_preemptions": 0}  # fmt: skip
+
+    # int8 1.5x the default and 14.5x llama.cpp (both short), the fp8 cache 1.7x and 17x.
+    results = {
+        "kvrail": system(100.0),
+        "kvrail-int8": system(145.0),
+        "kvrail-int8-fp8-kv": system(170.0),
+        "llama-cpp": system(10.0),
+    }
+    compute = {
+        "dtype": "d",
+        "matmul_gflops": 1.0,
+        "gflop_per_token": 1.0,
+        "limit_tokens_per_s": 400.0,
+    }
+    text = report(args, results, compute, [])
+    rows = {
+        line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[1:-1]]
+        for line in text.splitlines()
+        if line.startswith("| ") and not line.startswith("| system")
+    }
+    assert "target (kvrail-int8)" in text
+    assert rows["kvrail"][-2:] == [f">= {TARGETS['kvrail']:g}x", "FAIL"]
+    assert rows["llama-cpp"][-2:] == [f">= {TARGETS['llama-cpp']:g}x", "FAIL"]
+    # Without int8 the last configuration is judged: the fp8 cache's 1.7x and 17x pass.
+    del results["kvrail-int8"]
+    text = report(args, results, compute, [])
+    assert "target (kvrail-int8-fp8-kv)" in text and "FAIL" not in text
+
+
+def test_latency_judges_the_default_against_issue_10s_start_only():
+    """The default's 2x is over the engine issue 10 started from; a baseline at another ref
+    (a before/after) is reported with no verdict."""
+    from benchmarks.latency import parse_args as latency_args
+    from benchmarks.latency import report as latency_report
+
+    args = latency_args(["--rounds", "1", "--systems", "kvrail,baseline"])
+    runs = {"kvrail": [{"ttft_s": 0.03, "decode_tok_s": 119.5}],
+            "baseline": [{"ttft_s": 0.04, "decode_tok_s": 64.9}]}  # fmt: skip
+
+    def ratio_row(is_issue_start):
+        info = {"dtypes": {}, "notes": [], "baseline_is_issue_start": is_issue_start}
+        text = latency_report(args, runs, info)
+        return next(line for line in text.splitlines() if line.startswith("| kvrail / baseline"))
+
+    assert ratio_row(True).endswith("| 1.84x | >= 2x | FAIL |")
+    assert ratio_row(False).endswith("| 1.84x | reported | - |")
 
 
 # A hand-checkable mix with blocks of 4 tokens: r0 has a 5-token prompt and 3 outputs, r1 a
