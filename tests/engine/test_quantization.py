@@ -94,8 +94,10 @@ def test_int8_greedy_tokens_match_float(tmp_path, arch):
 
 
 def test_quantized_weights_are_cached(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("KVRAIL_CACHE_DIR", str(tmp_path / "cache"))
+    # The tiny model first: it copies SmolLM2's tokenizer from the real cache, where a cache
+    # of its own would convert the GGUF again (20 s).
     model = make_tiny_model(tmp_path / "llama", "llama")
+    monkeypatch.setenv("KVRAIL_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
     real = quantization.quantize_model
     monkeypatch.setattr(
@@ -114,8 +116,8 @@ def test_quantized_weights_are_cached(tmp_path, monkeypatch, caplog):
 
 
 def test_cache_key_follows_source_method_and_calibration(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVRAIL_CACHE_DIR", str(tmp_path / "cache"))
     model = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=1)
+    monkeypatch.setenv("KVRAIL_CACHE_DIR", str(tmp_path / "cache"))
     key = quantization.cache_dir(model, "int8", [1, 2, 3])
     assert key == quantization.cache_dir(model, "int8", [1, 2, 3])
     assert key != quantization.cache_dir(model, "fp8", [1, 2, 3])
