@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from benchmarks.common import fmt, markdown_table, write_results
+from benchmarks.engine_process import git_ref, worktree
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,7 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--engine-batch", type=int, default=0,
         help="also replay one decode step of an int8 engine serving this many requests of the "
              "full workload, over its own cache (0: off)")  # fmt: skip
-    add("--baseline-ref", default=None, help="git ref whose kernel library is timed too")
+    add(
+        "--baseline-ref",
+        type=git_ref,
+        default=None,
+        help="git ref whose kernel library is timed too",
+    )
     add("--name", default="attention_kernels")
     args = parser.parse_args(argv)
     args.prompt_lens = [int(n) for n in args.prompt_lens.split(",") if n]
@@ -126,8 +132,6 @@ def baseline_library(ref: str) -> Any:
     import os
     import subprocess
     import sys
-
-    from benchmarks.engine_process import worktree
 
     with worktree(ref) as tree:
         path = subprocess.run(

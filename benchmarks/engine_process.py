@@ -17,6 +17,7 @@ PYTHONPATH) under this checkout's benchmark code.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import json
@@ -62,6 +63,15 @@ def commit_of(ref: str) -> str:
         capture_output=True,
         text=True,
     ).stdout.strip()
+
+
+def git_ref(text: str) -> str:
+    """argparse type of `--baseline-ref`: a ref that names a commit of this repository."""
+    try:
+        commit_of(text)
+    except subprocess.CalledProcessError:
+        raise argparse.ArgumentTypeError(f"{text!r} names no commit of this repository") from None
+    return text
 
 
 def rotated(names: Sequence[str], round_index: int) -> list[str]:
@@ -128,7 +138,21 @@ def _load(path: str) -> ModuleType:
     return module
 
 
+def _use_this_checkouts_benchmarks() -> None:
+    """The engine is the tree's on PYTHONPATH (a baseline's worktree), but the benchmark code
+    is this checkout's whatever the tree holds: a benchmark file imports its helpers from
+    `benchmarks`, which an older tree lacks or holds in an older form."""
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks", ROOT / "benchmarks" / "__init__.py",
+        submodule_search_locations=[str(ROOT / "benchmarks")],
+    )  # fmt: skip
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["benchmarks"] = module
+    spec.loader.exec_module(module)
+
+
 def child_main(functions_file: str, llm_kwargs: str, setup: str) -> int:
+    _use_this_checkouts_benchmarks()
     functions = _load(functions_file)
     from engine import LLM
 

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.engine_process import git_ref
+
 SYSTEMS = (
     "kvrail", "kvrail-int8", "kvrail-4k-pages", "hf", "llama.cpp", "baseline", "baseline-int8",
 )  # fmt: skip
@@ -68,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--output-len", type=int, default=128)
     add("--rounds", type=int, default=3)
     add("--systems", default=",".join(SYSTEMS), help=f"comma list of {SYSTEMS}")
-    add("--baseline-ref", default=None, help="git ref of the `baseline` system")
+    add("--baseline-ref", type=git_ref, default=None, help="git ref of the `baseline` system")
     add("--llama-bench", default=shutil.which("llama-bench"), help="llama-bench executable")
     add("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads")
     add("--seed", type=int, default=0)

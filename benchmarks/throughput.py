@@ -41,6 +41,7 @@ from benchmarks.common import (
     verdict,
     write_results,
 )
+from benchmarks.engine_process import git_ref
 from benchmarks.peers import LLAMA_CPP_INSTALL, HFRunner, llama_cpp_available, run_llama_cpp
 
 PEERS = ("hf-serial", "hf-static", "llama-cpp")
@@ -83,7 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--hf-batch-size", type=int, default=16)
     add("--hf-dtype", default="auto", help="auto = each HF peer at its faster of fp32/bf16")
     add("--matmul-tokens", type=int, default=256, help="rows of the compute-limit matmuls")
-    add("--baseline-ref", default=None, help="git ref whose engine runs --baseline-configs too")
+    add(
+        "--baseline-ref",
+        type=git_ref,
+        default=None,
+        help="git ref whose engine runs --baseline-configs too",
+    )
     add("--baseline-configs", default="int8", help="configurations run at --baseline-ref")
     add("--name", default="throughput", help="results/<name>.json and .md")
     args = parser.parse_args(argv)

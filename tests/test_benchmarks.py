@@ -258,6 +258,45 @@ def test_latency_judges_the_default_against_issue_10s_start_only():
     assert ratio_row(False).endswith("| 1.84x | reported | - |")
 
 
+@pytest.mark.parametrize("script", ["throughput", "latency", "attention_kernels"])
+def test_a_baseline_ref_that_names_no_commit_is_refused_up_front(script, capsys):
+    import importlib
+
+    parse_args = importlib.import_module(f"benchmarks.{script}").parse_args
+    assert parse_args(["--baseline-ref", "HEAD"]).baseline_ref == "HEAD"
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--baseline-ref", "no-such-ref"])
+    assert exit_info.value.code == 2
+    assert "'no-such-ref' names no commit of this repository" in capsys.readouterr().err
+
+
+def test_an_engine_process_on_an_older_tree_runs_this_checkouts_benchmark_code(tmp_path):
+    """A baseline's worktree holds that ref's engine and an older `benchmarks` (here one whose
+    common.py lacks what this checkout's benchmark files import at the top): the child runs
+    the tree's engine under this checkout's benchmark code."""
+    from benchmarks.common import ENGINE_CONFIGS
+    from benchmarks.engine_process import EngineProcess
+    from tests.engine.tiny_models import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "llama", "llama", num_hidden_layers=1)
+    tree = tmp_path / "tree"
+    (tree / "benchmarks").mkdir(parents=True)
+    (tree / "benchmarks" / "__init__.py").write_text("")
+    (tree / "benchmarks" / "common.py").write_text("OLD = True\n")
+    (tree / "engine").symlink_to(ROOT / "engine")
+    functions = tmp_path / "functions.py"
+    functions.write_text(
+        "from benchmarks.common import ENGINE_CONFIGS\n"
+        "import engine\n"
+        "def setup(llm):\n"
+        "    return [sorted(ENGINE_CONFIGS), engine.__file__]\n"
+    )
+    with EngineProcess(functions, {"model": str(model)}, "setup", tree) as child:
+        configs, engine_file = child.ready
+    assert configs == sorted(ENGINE_CONFIGS)
+    assert engine_file == str(tree / "engine" / "__init__.py")  # the tree's engine
+
+
 # A hand-checkable mix with blocks of 4 tokens: r0 has a 5-token prompt and 3 outputs, r1 a
 # 2-token prompt and 2 outputs. The last sampled token never needs KV, so r0 stores 5, 6, 7
 # tokens in steps 1-3 and r1 stores 2, 3 in steps 1-2. The peak is step 2: 6 + 3 = 9 tokens.
