@@ -289,12 +289,14 @@ def test_an_engine_process_on_an_older_tree_runs_this_checkouts_benchmark_code(t
         "from benchmarks.common import ENGINE_CONFIGS\n"
         "import engine\n"
         "def setup(llm):\n"
-        "    return [sorted(ENGINE_CONFIGS), engine.__file__]\n"
+        "    kv = llm.llm_engine.engine_core.scheduler.kv_cache_manager\n"
+        "    return [sorted(ENGINE_CONFIGS), engine.__file__, kv.get_num_blocks_in_use()]\n"
     )
     with EngineProcess(functions, {"model": str(model)}, "setup", tree) as child:
-        configs, engine_file = child.ready
+        configs, engine_file, blocks_in_use = child.ready
     assert configs == sorted(ENGINE_CONFIGS)
     assert engine_file == str(tree / "engine" / "__init__.py")  # the tree's engine
+    assert blocks_in_use == 0
 
 
 # A hand-checkable mix with blocks of 4 tokens: r0 has a 5-token prompt and 3 outputs, r1 a
