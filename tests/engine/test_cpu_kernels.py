@@ -329,6 +329,22 @@ def test_argmax_rows_takes_the_first_nan_as_torch_max_does(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 15, 16, 63, 64, 65, 200, 49152])
+def test_argmax_rows_takes_the_first_of_equal_maxima(dtype, width):
+    """Ties (the same value twice, -0 against +0), rows of -inf, and widths around the
+    kernel's 16- and 64-wide steps."""
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(8, width, generator=gen).to(dtype)
+    x[1] = -float("inf")
+    x[2] = 0.0
+    x[2, width // 2] = -0.0  # equal to +0: the first zero wins, whatever its sign
+    x[3, width - 1] = x[3, width // 3] = 100.0
+    x[4, width // 2 :] = 7.0
+    x[5, width - 1] = float("nan")
+    assert torch.equal(cpu_ops.argmax_rows(x), x.max(dim=-1).indices)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_embedding(dtype):
     weight = torch.randn(50, 24).to(dtype)
     ids = torch.tensor([3, 0, 49, 3])
