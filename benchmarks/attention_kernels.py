@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from benchmarks.common import fmt, markdown_table, write_results
-from benchmarks.engine_process import git_ref, worktree
+from benchmarks.engine_process import baseline_library, git_ref
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -124,25 +124,6 @@ def kv_bytes(tensors: dict[str, Any]) -> int:
     k_cache = tensors["k_cache"]
     row = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
     return 2 * row * int(tensors["seq_lens"].sum())
-
-
-def baseline_library(ref: str) -> Any:
-    """The kernel library of git ref `ref`, built in a worktree by its own `cpu_build`."""
-    import ctypes
-    import os
-    import subprocess
-    import sys
-
-    with worktree(ref) as tree:
-        path = subprocess.run(
-            [sys.executable, "-c",
-             "from engine.kernels import cpu_build; print(cpu_build.load_library()._name)"],
-            cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
-            capture_output=True, text=True, check=True,
-        ).stdout.split()[-1]  # fmt: skip
-    lib = ctypes.CDLL(path)  # the built library lives in the kernel cache, not the worktree
-    lib.kvrail_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    return lib
 
 
 def engine_step_layers(model: str | None, num_requests: int) -> list[dict[str, Any]]:

@@ -55,6 +55,23 @@ def worktree(ref: str | None) -> Iterator[Path]:
         )
 
 
+def baseline_library(ref: str) -> Any:
+    """The CPU kernel library of git ref `ref`, built in a worktree by its own `cpu_build`
+    (it lives in the kernel cache, not the worktree)."""
+    import ctypes
+
+    with worktree(ref) as tree:
+        path = subprocess.run(
+            [sys.executable, "-c",
+             "from engine.kernels import cpu_build; print(cpu_build.load_library()._name)"],
+            cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+            capture_output=True, text=True, check=True,
+        ).stdout.split()[-1]  # fmt: skip
+    lib = ctypes.CDLL(path)
+    lib.kvrail_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return lib
+
+
 def commit_of(ref: str) -> str:
     """The full hash of the commit `ref` names in this repository."""
     return subprocess.run(

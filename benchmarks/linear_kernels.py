@@ -17,21 +17,30 @@ By default each shape's weights are one matrix run `count` times, so most of the
 caches: the kernels' arithmetic. `--per-layer-weights` gives every layer a matrix of its own
 (270 MB in bf16 for SmolLM2-135M), read from DRAM on every pass as the engine reads them.
 
+`--baseline-ref REF` builds the kernel library of git ref REF (in a worktree) and times each C
+kernel with it too, in the same rounds (`cpu_runtime.kernel_library`): the before of a
+before/after, free of the drift between two runs on a shared machine. REF's kernels read this
+checkout's packed weights, so a change to the packing cannot be compared this way.
+
     python -m benchmarks.linear_kernels --num-tokens 1,2,4,8,16,32,64,256
     python -m benchmarks.linear_kernels --per-layer-weights --num-tokens 1,8,16,32,64,96,128
+    python -m benchmarks.linear_kernels --num-tokens 6,128,2048 --baseline-ref HEAD
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import statistics
 import time
 from typing import Any
 
 from benchmarks.common import fmt, markdown_table, write_results
+from benchmarks.engine_process import baseline_library, git_ref
 
 SYSTEMS = ("torch matmul", "C float", "C packed bf16", "C int8", "torch _int_mm")
+C_KERNELS = ("C float", "C packed bf16", "C int8")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--dtype", default="auto", help="float32, bfloat16 or auto (the engine's choice)")
     add("--rounds", type=int, default=5)
     add("--per-layer-weights", action="store_true", help="a matrix per layer (read from DRAM)")
+    add("--baseline-ref", type=git_ref, default=None,
+        help="also time the C kernels of this git ref's library")  # fmt: skip
     add("--name", default="linear_kernels")
     args = parser.parse_args(argv)
     args.num_tokens = [int(m) for m in args.num_tokens.split(",")]
@@ -68,14 +79,19 @@ def engine_shapes(config: Any) -> list[tuple[int, int, int]]:
     ]
 
 
-def time_pass(run: Any, work: list[tuple[Any, list[dict[str, Any]], int]], system: str) -> float:
+def time_pass(
+    run: Any, work: list[tuple[Any, list[dict[str, Any]], int]], system: str, library: Any = None
+) -> float:
     """Seconds of one forward pass's linear layers: each shape run `count` times, over its
-    matrices in turn (one, or one per layer)."""
-    start = time.perf_counter()
-    for x, weights, count in work:
-        for i in range(count):
-            run(x, weights[i % len(weights)][system])
-    return time.perf_counter() - start
+    matrices in turn (one, or one per layer); C kernels from `library` when given."""
+    from engine.kernels.cpu_runtime import kernel_library
+
+    with kernel_library(library) if library is not None else contextlib.nullcontext():
+        start = time.perf_counter()
+        for x, weights, count in work:
+            for i in range(count):
+                run(x, weights[i % len(weights)][system])
+        return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     packed_bf16 = dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported()
     systems = [name for name in SYSTEMS if name != "C packed bf16" or packed_bf16]
+    # (label, system, library: None for this checkout's), the baseline's right after each C kernel
+    ref = args.baseline_ref
+    base = baseline_library(ref) if ref is not None else None
+    baselined = [name for name in systems if name in C_KERNELS and base is not None]
+    timed = [
+        entry
+        for name in systems
+        for entry in [(name, name, None)] + [(f"{name} @ {ref}", name, base)] * (name in baselined)
+    ]
 
     def matrices(n_in: int, n_out: int) -> dict[str, Any]:
         w = torch.randn(n_out, n_in, dtype=dtype) * n_in**-0.5
@@ -129,29 +154,37 @@ def main(argv: list[str] | None = None) -> int:
                 x_q = torch.randint(-127, 128, x.shape, dtype=torch.int8)
                 ws = [{**w, "torch _int_mm": (x_q, w["torch _int_mm"])} for w in ws]
                 work.append((x, ws, count))
-            times: dict[str, list[float]] = {name: [] for name in systems}
-            for name in systems:  # warm-up: first calls pick kernels
-                time_pass(runs[name], work, name)
+            times: dict[str, list[float]] = {label: [] for label, *_ in timed}
+            for _, name, library in timed:  # warm-up: first calls pick kernels
+                time_pass(runs[name], work, name, library)
             for _ in range(args.rounds):
-                for name in systems:
-                    times[name].append(time_pass(runs[name], work, name))
-            ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+                for label, name, library in timed:
+                    times[label].append(time_pass(runs[name], work, name, library))
+            ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
             results.append(dict(num_tokens=num_tokens, ms=ms))
+    labels = [label for label, *_ in timed]
     rows = [
         [r["num_tokens"]]
-        + [fmt(r["ms"][name], 2) for name in systems]
+        + [fmt(r["ms"][label], 2) for label in labels]
         + [fmt(r["ms"][name] / r["ms"]["torch matmul"], 2) for name in systems[1:]]
+        + [fmt(r["ms"][name] / r["ms"][f"{name} @ {ref}"], 2) for name in baselined]
         for r in results
     ]
-    headers = ["tokens (M)", *(f"{n} ms" for n in systems), *(f"{n} / torch" for n in systems[1:])]
+    headers = [
+        "tokens (M)",
+        *(f"{label} ms" for label in labels),
+        *(f"{name} / torch" for name in systems[1:]),
+        *(f"{name} / {name} @ {ref}" for name in baselined),
+    ]
     num_matmuls = sum(count for *_, count in engine_shapes(config))
     markdown = "\n\n".join(
         [
-            f"# Linear layers on the CPU: {', '.join(systems)}",
+            f"# Linear layers on the CPU: {', '.join(labels)}",
             f"One forward pass's linear layers ({num_matmuls} matmuls, the engine's fused "
             f"shapes; {'a matrix per layer' if args.per_layer_weights else 'a matrix per shape'}"
             f"), activations in {dtype}, {torch.get_num_threads()} threads, "
-            f"{platform.machine()}; medians of {args.rounds} rounds, the systems alternating.",
+            f"{platform.machine()}; medians of {args.rounds} rounds, the systems alternating"
+            + (f"; `@ {ref}`: the C kernels of git ref {ref}'s library." if ref else "."),
             markdown_table(headers, rows),
         ]
     )

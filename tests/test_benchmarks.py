@@ -258,7 +258,7 @@ def test_latency_judges_the_default_against_issue_10s_start_only():
     assert ratio_row(False).endswith("| 1.84x | reported | - |")
 
 
-@pytest.mark.parametrize("script", ["throughput", "latency", "attention_kernels"])
+@pytest.mark.parametrize("script", ["throughput", "latency", "attention_kernels", "linear_kernels"])
 def test_a_baseline_ref_that_names_no_commit_is_refused_up_front(script, capsys):
     import importlib
 

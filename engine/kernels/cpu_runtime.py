@@ -45,8 +45,24 @@ def library() -> ctypes.CDLL:
 
 
 @functools.cache
-def _kernel_address(name: str) -> int:
-    return ctypes.cast(getattr(library(), name), ctypes.c_void_p).value
+def _kernel_address(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+@contextlib.contextmanager
+def kernel_library(lib: ctypes.CDLL) -> Iterator[None]:
+    """Launch this thread's kernels from `lib`, another build of the kernel library (a git
+    ref's), inside this block: a benchmark's before and after of a kernel in one process,
+    the two builds taking turns (`benchmarks.linear_kernels --baseline-ref`). The launchers
+    are this checkout's, so `lib`'s kernels must take the same argument structs and data
+    layouts."""
+    cpu_build.declare(lib, "kvrail_run", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
+    previous = getattr(_state, "library", None)
+    _state.library = lib
+    try:
+        yield
+    finally:
+        _state.library = previous
 
 
 class _Node(ctypes.Structure):  # struct kvrail_node
@@ -179,13 +195,14 @@ def launch(name: str, args: ctypes.Structure, *tensors: Any, work: int | None = 
     """Run team kernel `name` on `args` now (and record it while capturing). `tensors` are
     what `args` points to: a graph keeps them alive. `work` (elements touched; None = a lot)
     below SERIAL_WORK runs it on one thread."""
-    fn = _kernel_address(name)
+    lib = getattr(_state, "library", None) or library()
+    fn = _kernel_address(lib, name)
     serial = work is not None and work < SERIAL_WORK
     graph = getattr(_state, "graph", None)
     if graph is not None:
         graph.record(fn, args, serial, tensors)
     with _profiled(name):
-        library().kvrail_run(fn, ctypes.byref(args), 1 if serial else torch.get_num_threads())
+        lib.kvrail_run(fn, ctypes.byref(args), 1 if serial else torch.get_num_threads())
 
 
 def _profiled(name: str) -> contextlib.AbstractContextManager:

@@ -7,7 +7,9 @@ CPU graphs.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import shutil
 import sys
 
 import pytest
@@ -51,6 +53,25 @@ def test_build_is_cached_leaves_subnormals_alone_and_fails_clearly(tmp_path, mon
             cpu_runtime.library()
     finally:
         _rebuild()
+
+
+def test_kernels_launch_from_another_build_inside_kernel_library(tmp_path):
+    """A second copy of the library, loaded from another path, has its kernels at other
+    addresses: launches inside the block go through it (with the same results), and through
+    this build again after it."""
+    copy = ctypes.CDLL(str(shutil.copy(cpu_runtime.library()._name, tmp_path / "copy.so")))
+    name = "kvrail_argmax_rows"
+    theirs = cpu_runtime._kernel_address(copy, name)
+    assert theirs != cpu_runtime._kernel_address(cpu_runtime.library(), name)
+    x = torch.randn(3, 1000)
+    launched = []
+    with cpu_runtime.kernel_library(copy):
+        run = copy.kvrail_run  # declared by kernel_library: a pointer is not an int
+        copy.kvrail_run = lambda fn, *args: (launched.append(fn), run(fn, *args))[1]
+        assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(-1))
+    assert launched == [theirs]
+    assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(-1))
+    assert launched == [theirs]  # this build's kernel ran
 
 
 # Linear layers ------------------------------------------------------------------------------
