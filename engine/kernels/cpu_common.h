@@ -112,6 +112,12 @@ static inline __m512 load16_bf16(const uint16_t *p, __mmask16 mask) {
                                        : _mm256_maskz_loadu_epi16(mask, p));
 }
 
+/* 16 elements of a float32 or bfloat16 row from element k, as fp32 (lanes outside `mask` 0) */
+static inline __m512 load16_row(const void *x, int dtype, int64_t k, __mmask16 mask) {
+    return dtype == KVRAIL_BF16 ? load16_bf16((const uint16_t *)x + k, mask)
+                                : load16_f32((const float *)x + k, mask);
+}
+
 static inline void store16_f32(float *p, __mmask16 mask, __m512 x) {
     if (mask == 0xffff)
         _mm512_storeu_ps(p, x);

@@ -66,11 +66,6 @@ static inline float silu(float v) { return v / (1.0f + expf(-v)); }
  * Xeon, the two libraries in turn, three times each: 2048 bf16 rows of 576 in cache 100-116 ->
  * 83-86 us, of 1536 258-286 -> 230-234 us; in an int8 engine's 2048-token prompt steps
  * (`profile_step` as above, twice each) 24.1-26.5 -> 20.6-24.3 ms, medians 24.6 -> 22.5. */
-static inline __m512 load16_row(const void *x, int dtype, int64_t k, __mmask16 mask) {
-    return dtype == KVRAIL_BF16 ? load16_bf16((const uint16_t *)x + k, mask)
-                                : load16_f32((const float *)x + k, mask);
-}
-
 static inline __m128i quantize16(__m512 x, __m512 inv) { /* q + 128 of 16 activations */
     /* |x| <= max, so |q| <= 127 without a clamp (the narrowing saturates all the same) */
     const __m512i q = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x, inv),

@@ -348,11 +348,6 @@ struct kvrail_argmax_rows_args {
  * --input-len 64:512 --output-len 64:256 --attention-backends cpu --skip-steps 30 --steps
  * 20`) 1.28 -> 0.47 ms. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-static inline __m512 argmax_load16(const void *x, int dtype, int64_t k, __mmask16 mask) {
-    return dtype == KVRAIL_BF16 ? load16_bf16((const uint16_t *)x + k, mask)
-                                : load16_f32((const float *)x + k, mask);
-}
-
 static inline __mmask16 nan16(__m512 v) {
     const __m512i magnitude =
         _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff));
@@ -365,10 +360,10 @@ static inline __attribute__((always_inline)) int64_t argmax_row_as(const void *x
     __mmask16 nan = 0;
     int64_t k = 0;
     for (; k + 64 <= n; k += 64) { /* four maxima: each vmaxps waits on its own last */
-        const __m512 v0 = argmax_load16(x, dtype, k, 0xffff);
-        const __m512 v1 = argmax_load16(x, dtype, k + 16, 0xffff);
-        const __m512 v2 = argmax_load16(x, dtype, k + 32, 0xffff);
-        const __m512 v3 = argmax_load16(x, dtype, k + 48, 0xffff);
+        const __m512 v0 = load16_row(x, dtype, k, 0xffff);
+        const __m512 v1 = load16_row(x, dtype, k + 16, 0xffff);
+        const __m512 v2 = load16_row(x, dtype, k + 32, 0xffff);
+        const __m512 v3 = load16_row(x, dtype, k + 48, 0xffff);
         nan |= nan16(v0) | nan16(v1) | nan16(v2) | nan16(v3);
         m0 = _mm512_max_ps(m0, v0);
         m1 = _mm512_max_ps(m1, v1);
@@ -377,7 +372,7 @@ static inline __attribute__((always_inline)) int64_t argmax_row_as(const void *x
     }
     for (; k < n; k += 16) {
         const __mmask16 lanes = lanes_below(n - k);
-        const __m512 v = argmax_load16(x, dtype, k, lanes);
+        const __m512 v = load16_row(x, dtype, k, lanes);
         nan |= nan16(v) & lanes;
         m0 = _mm512_mask_max_ps(m0, lanes, m0, v);
     }
@@ -385,7 +380,7 @@ static inline __attribute__((always_inline)) int64_t argmax_row_as(const void *x
         _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3))));
     for (k = 0; k < n; k += 16) {
         const __mmask16 lanes = lanes_below(n - k);
-        const __m512 v = argmax_load16(x, dtype, k, lanes);
+        const __m512 v = load16_row(x, dtype, k, lanes);
         const __mmask16 hit = (nan ? nan16(v) : _mm512_cmp_ps_mask(v, best, _CMP_EQ_OQ)) & lanes;
         if (hit) return k + __builtin_ctz(hit);
     }
@@ -395,9 +390,8 @@ static inline __attribute__((always_inline)) int64_t argmax_row_as(const void *x
 void kvrail_argmax_rows(const struct kvrail_argmax_rows_args *a, int tid, int num_threads) {
     int64_t begin, end;
     thread_range(a->num_rows, 1, tid, num_threads, &begin, &end);
-    const int64_t size = a->dtype == KVRAIL_BF16 ? 2 : 4;
     for (int64_t r = begin; r < end; r++) {
-        const void *x = (const char *)a->x + r * a->stride_x * size;
+        const void *x = (const char *)a->x + r * a->stride_x * dtype_size((int)a->dtype);
         a->out[r] = a->dtype == KVRAIL_BF16 ? argmax_row_as(x, KVRAIL_BF16, a->width)
                                             : argmax_row_as(x, KVRAIL_F32, a->width);
     }

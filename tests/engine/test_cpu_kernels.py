@@ -71,7 +71,7 @@ def test_kernels_launch_from_another_build_inside_kernel_library(tmp_path):
         assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(-1))
     assert launched == [theirs]
     assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(-1))
-    assert launched == [theirs]  # this build's kernel ran
+    assert launched == [theirs]  # not through the copy after the block
 
 
 # Linear layers ------------------------------------------------------------------------------
@@ -359,6 +359,8 @@ def test_argmax_rows_takes_the_first_of_equal_maxima(dtype, width):
     x[1] = -float("inf")
     x[2] = 0.0
     x[2, width // 2] = -0.0  # equal to +0: the first zero wins, whatever its sign
+    x[6] = 0.0
+    x[6, 0] = -0.0  # so a -0 first is the one taken
     x[3, width - 1] = x[3, width // 3] = 100.0
     x[4, width // 2 :] = 7.0
     x[5, width - 1] = float("nan")
