@@ -21,6 +21,9 @@ the engine process started first ran 7-9% slower than one started after it, thro
 run, on the same code (the cause was not found), so no system may keep a place. HF runs in
 this process.
 
+`--dtype` sets the kvrail systems' dtype (`LLM(dtype=...)`; default: the engine's choice):
+`--dtype float32` on an AVX512-BF16 machine runs what the CPUs without it run by default.
+
 Also reported: the bytes of every weight of the default and the int8 model.
 
     python -m benchmarks.latency --rounds 3 --baseline-ref 78ef656   # issue 10's start
@@ -66,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add = parser.add_argument
     add("--model", default=None, help="a .gguf (default: SmolLM2-135M-Instruct's)")
+    add("--dtype", default=None, help="of every kvrail system (default: the engine's choice)")
     add("--prompt-len", type=int, default=128)
     add("--output-len", type=int, default=128)
     add("--rounds", type=int, default=3)
@@ -299,7 +303,11 @@ def main(argv: list[str] | None = None) -> int:
                 for name in order:
                     if name in kvrail:
                         ref, quantization, env = kvrail[name]
-                        options = {"model": args.model, "quantization": quantization}
+                        options = {
+                            "model": args.model,
+                            "quantization": quantization,
+                            "dtype": args.dtype,
+                        }
                         child = children[name] = processes.enter_context(
                             EngineProcess(
                                 __file__,

@@ -22,9 +22,15 @@ kernel with it too, in the same rounds (`cpu_runtime.kernel_library`): the befor
 before/after, free of the drift between two runs on a shared machine. REF's kernels read this
 checkout's packed weights, so a change to the packing cannot be compared this way.
 
+`--graph` records each C kernel's pass into a CPU graph once and times its replays, as the
+engine's decode steps run them (`engine/decode_graphs.py`): one OpenMP team for the whole
+pass, each kernel starting as the one before ends, where a launch of its own wakes the team
+and leaves DRAM idle in between. torch's systems, which a graph cannot record, run as before.
+
     python -m benchmarks.linear_kernels --num-tokens 1,2,4,8,16,32,64,256
     python -m benchmarks.linear_kernels --per-layer-weights --num-tokens 1,8,16,32,64,96,128
     python -m benchmarks.linear_kernels --num-tokens 6,128,2048 --baseline-ref HEAD
+    python -m benchmarks.linear_kernels --per-layer-weights --graph --num-tokens 1,6,128
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import contextlib
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 from benchmarks.common import fmt, markdown_table, write_results
@@ -53,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--dtype", default="auto", help="float32, bfloat16 or auto (the engine's choice)")
     add("--rounds", type=int, default=5)
     add("--per-layer-weights", action="store_true", help="a matrix per layer (read from DRAM)")
+    add("--graph", action="store_true", help="C kernels replayed as one CPU graph per pass")
     add("--baseline-ref", type=git_ref, default=None,
         help="also time the C kernels of this git ref's library")  # fmt: skip
     add("--name", default="linear_kernels")
@@ -79,18 +87,38 @@ def engine_shapes(config: Any) -> list[tuple[int, int, int]]:
     ]
 
 
-def time_pass(
-    run: Any, work: list[tuple[Any, list[dict[str, Any]], int]], system: str, library: Any = None
-) -> float:
-    """Seconds of one forward pass's linear layers: each shape run `count` times, over its
-    matrices in turn (one, or one per layer); C kernels from `library` when given."""
+def forward_pass(
+    run: Any,
+    work: list[tuple[Any, list[dict[str, Any]], int]],
+    system: str,
+    library: Any,
+    graph: bool,
+) -> Callable[[], None]:
+    """What runs one forward pass's linear layers: each shape `count` times, over its matrices
+    in turn (one, or one per layer); C kernels from `library` when given, and with `graph`
+    recorded here once (which runs them) and replayed."""
+    from engine.kernels.cpu_runtime import capture, kernel_library
+
+    def run_pass() -> None:
+        for x, weights, count in work:
+            for i in range(count):
+                run(x, weights[i % len(weights)][system])
+
+    with kernel_library(library) if library is not None else contextlib.nullcontext():
+        if not graph:
+            return run_pass
+        with capture() as recorded:
+            run_pass()
+        return recorded.replay
+
+
+def time_pass(run_pass: Callable[[], None], library: Any) -> float:
+    """Seconds of one call of `run_pass` (launching from `library` when given)."""
     from engine.kernels.cpu_runtime import kernel_library
 
     with kernel_library(library) if library is not None else contextlib.nullcontext():
         start = time.perf_counter()
-        for x, weights, count in work:
-            for i in range(count):
-                run(x, weights[i % len(weights)][system])
+        run_pass()
         return time.perf_counter() - start
 
 
@@ -155,11 +183,17 @@ def main(argv: list[str] | None = None) -> int:
                 ws = [{**w, "torch _int_mm": (x_q, w["torch _int_mm"])} for w in ws]
                 work.append((x, ws, count))
             times: dict[str, list[float]] = {label: [] for label, *_ in timed}
-            for _, name, library in timed:  # warm-up: first calls pick kernels
-                time_pass(runs[name], work, name, library)
+            passes = {
+                label: forward_pass(
+                    runs[name], work, name, library, args.graph and name in C_KERNELS
+                )
+                for label, name, library in timed
+            }
+            for label, _, library in timed:  # warm-up: first calls pick kernels
+                time_pass(passes[label], library)
             for _ in range(args.rounds):
-                for label, name, library in timed:
-                    times[label].append(time_pass(runs[name], work, name, library))
+                for label, _, library in timed:
+                    times[label].append(time_pass(passes[label], library))
             ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
             results.append(dict(num_tokens=num_tokens, ms=ms))
     labels = [label for label, *_ in timed]
@@ -182,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             f"# Linear layers on the CPU: {', '.join(labels)}",
             f"One forward pass's linear layers ({num_matmuls} matmuls, the engine's fused "
             f"shapes; {'a matrix per layer' if args.per_layer_weights else 'a matrix per shape'}"
+            f"{'; C kernels replayed as one CPU graph a pass' if args.graph else ''}"
             f"), activations in {dtype}, {torch.get_num_threads()} threads, "
             f"{platform.machine()}; medians of {args.rounds} rounds, the systems alternating"
             + (f"; `@ {ref}`: the C kernels of git ref {ref}'s library." if ref else "."),

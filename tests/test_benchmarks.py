@@ -270,6 +270,40 @@ def test_a_baseline_ref_that_names_no_commit_is_refused_up_front(script, capsys)
     assert "'no-such-ref' names no commit of this repository" in capsys.readouterr().err
 
 
+def test_linear_kernels_graph_pass_replays_every_kernel_of_the_eager_pass():
+    """`--graph` times a recording of the same kernels, over each shape's matrices in turn."""
+    import torch
+
+    from benchmarks.linear_kernels import forward_pass
+    from engine.kernels.cpu_linear import linear_w8a8, pack_int8
+    from engine.kernels.int8_ref import quantize_rows_int8
+
+    def matrix(seed: int) -> dict:
+        w_q, scale = quantize_rows_int8(
+            torch.randn(32, 64, generator=torch.Generator().manual_seed(seed))
+        )
+        return {"C int8": pack_int8(w_q, scale, None, False)}
+
+    x = torch.randn(3, 64)
+    work = [(x, [matrix(0), matrix(1)], 3)]
+    used = []
+
+    def run(x, w):
+        used.append(w)
+        return linear_w8a8(x, w)
+
+    eager = forward_pass(run, work, "C int8", None, graph=False)
+    assert used == []  # eager: nothing runs until timed
+    eager()
+    first, second = work[0][1][0]["C int8"], work[0][1][1]["C int8"]
+    assert used == [first, second, first]
+    replay = forward_pass(run, work, "C int8", None, graph=True)
+    assert len(used) == 6  # the recording ran the pass once
+    assert len(replay.__self__.nodes) == 6  # quantize + multiply for each of the 3 calls
+    replay()
+    assert len(used) == 6  # a replay runs the kernels, not the Python
+
+
 def test_an_engine_process_on_an_older_tree_runs_this_checkouts_benchmark_code(tmp_path):
     """A baseline's worktree holds that ref's engine and an older `benchmarks` (here one whose
     common.py lacks what this checkout's benchmark files import at the top): the child runs

@@ -51,6 +51,28 @@
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
+/* NEXT_TILE: a thread streams its weights a tile at a time, each tile's panels (or, in the
+ * float kernel, its rows) side by side, so the hardware prefetcher, which follows a run and
+ * stops at page boundaries, starts over at every tile. So while a tile's first rows multiply
+ * its weights from DRAM, each weight line read asks for the line at the same place of the
+ * thread's next tile, into L2 (prefetcht1; the float kernel asked for it into L1 before, where
+ * the requests held the core's few L1 miss buffers, as in cpu_decode_attention.c). Rows after
+ * a tile's first find it in L2 and ask for nothing. The AVX2 W8A8 tile asks only with 3+ rows,
+ * whose two passes over a panel read each line twice: with 1-2 rows, one pass in order, the
+ * hardware prefetcher kept up and the requests cost 10% (by hand, W8A8 M = 1 built without
+ * AVX-512 on a Zen 4). On 2 vCPUs of a Zen 4 EPYC, SmolLM2-135M's 121 linears with a weight of
+ * their own each, replayed as one CPU graph as decode steps run them, against the library
+ * before in turn (`python -m benchmarks.linear_kernels --per-layer-weights --graph
+ * --num-tokens 1,6 --baseline-ref <before>`, results/linear_kernels-zen4-next-tile*.md): the
+ * float kernel in fp32 0.72x the time at M = 1 and 0.58x at M = 6 (a verify step of 5 drafts);
+ * W8A8 on fp32 activations 0.99x and 0.71x, on bf16 ones 0.99x and 0.93x; packed bf16 0.97x
+ * and 0.98x; M = 128 0.97-1.01x. By hand the same pass gained more on a busier spell (W8A8 at
+ * M = 6 0.70x in bf16): the further DRAM's latency, the more a request ahead saves. Single
+ * stream (`python -m benchmarks.latency --dtype float32 --baseline-ref <before>`,
+ * results/latency-zen4-next-tile-f32.md) 36.2 -> 52.5 tok/s in fp32; bf16 and int8 within
+ * their rounds' spread. Always inlined (a macro): a prefetch has no effect gcc counts. */
+#define prefetch_l2(p) __builtin_prefetch((const void *)(p), 0, 2)
+
 /* One token's activations -> int8 (stored + 128) and its scale. k in [K, k_padded) gets 0.
  * Loops are written per dtype, without branches, so that they vectorize. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -150,13 +172,14 @@ static void quantize_row(const void *x, int dtype, int64_t K, int64_t k_padded, 
  * 75.9 tok/s, 1.06x, every round faster (1.04-1.10x). */
 static inline __attribute__((always_inline)) void w8a8_vectors_avx2(const int16_t *xw,
                                                                     const int8_t *wg, int64_t ng,
-                                                                    int mr, int nv,
+                                                                    int mr, int nv, int64_t next,
                                                                     __m256i *raw) {
     __m256i s[MAX_MR][4];
     for (int i = 0; i < mr; i++)
         for (int v = 0; v < nv; v++) s[i][v] = raw[i * MAX_NT * 4 + v];
     for (int64_t g = 0; g < ng; g++) {
         __m256i b[4];
+        if (next) prefetch_l2(wg + g * 64 + next);
         for (int v = 0; v < nv; v++)
             b[v] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wg + g * 64 + v * 16)));
         for (int i = 0; i < mr; i++) {
@@ -205,13 +228,14 @@ static inline __attribute__((always_inline)) void w8a8_vectors_avx2(const int16_
 static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, int64_t stride_xq,
                                                             const int8_t *w, int64_t panel_bytes,
                                                             int64_t num_groups, int mr, int nt,
-                                                            int32_t *acc) {
+                                                            int64_t next, int32_t *acc) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     W8A8_ZERO(0) W8A8_ZERO(1) W8A8_ZERO(2) W8A8_ZERO(3) W8A8_ZERO(4) W8A8_ZERO(5)
     for (int64_t g = 0; g < num_groups; g++) {
         __m512i b[MAX_NT];
         for (int j = 0; j < MAX_NT; j++) {
             if (j >= nt) break;
+            if (next) prefetch_l2(w + j * panel_bytes + g * 64 + next);
             b[j] = _mm512_loadu_si512((const void *)(w + j * panel_bytes + g * 64));
         }
         const __m512i b0 = b[0], b1 = b[nt > 1], b2 = b[nt > 2 ? 2 : 0], b3 = b[nt > 3 ? 3 : 0];
@@ -238,7 +262,7 @@ static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, i
         for (int j = 0; j < nt; j++)
             for (int h = 0; h < 4 / nv; h++)
                 w8a8_vectors_avx2(xw, w + j * panel_bytes + g0 * 64 + h * nv * 16, ng, mr, nv,
-                                  &raw[0][j][nv * h]);
+                                  nv == 2 && h == 0 ? next : 0, &raw[0][j][nv * h]);
     }
     const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     for (int i = 0; i < mr; i++)
@@ -396,11 +420,11 @@ static inline void w8a8_epilogue(const int32_t *acc, int mr, int nt, int64_t pan
 
 static inline __attribute__((always_inline)) void w8a8_block(
     const uint8_t *xq, int64_t stride_xq, const int8_t *w, int64_t panel_bytes, int64_t num_groups,
-    int mr, int nt, int64_t panel, int64_t N, const float *x_scale, const float *w_scale,
-    const int32_t *w_comp, const float *bias, int silu_mul, void *out, int out_dtype,
-    int64_t stride_out) {
+    int mr, int nt, int64_t next, int64_t panel, int64_t N, const float *x_scale,
+    const float *w_scale, const int32_t *w_comp, const float *bias, int silu_mul, void *out,
+    int out_dtype, int64_t stride_out) {
     int32_t acc[MAX_MR * MAX_NT * PANEL] __attribute__((aligned(64)));
-    w8a8_tile(xq, stride_xq, w, panel_bytes, num_groups, mr, nt, acc);
+    w8a8_tile(xq, stride_xq, w, panel_bytes, num_groups, mr, nt, next, acc);
     w8a8_epilogue(acc, mr, nt, panel, N, x_scale, w_scale, w_comp, bias, silu_mul, out, out_dtype,
                   stride_out);
 }
@@ -408,14 +432,14 @@ static inline __attribute__((always_inline)) void w8a8_block(
 /* Constant tile shapes, so each instance keeps its accumulators in registers. */
 #define W8A8_CASE(MR, NT)                                                                         \
     case MR * 8 + NT:                                                                             \
-        w8a8_block(xq, stride_xq, w, panel_bytes, num_groups, MR, NT, panel, N, x_scale, w_scale, \
-                   w_comp, bias, silu_mul, out, out_dtype, stride_out);                           \
+        w8a8_block(xq, stride_xq, w, panel_bytes, num_groups, MR, NT, next, panel, N, x_scale,    \
+                   w_scale, w_comp, bias, silu_mul, out, out_dtype, stride_out);                  \
         break;
 #define W8A8_CASES(MR) W8A8_CASE(MR, 1) W8A8_CASE(MR, 2) W8A8_CASE(MR, 3) W8A8_CASE(MR, 4)
 
 static void w8a8_dispatch(const uint8_t *xq, int64_t stride_xq, const int8_t *w,
-                          int64_t panel_bytes, int64_t num_groups, int mr, int nt, int64_t panel,
-                          int64_t N, const float *x_scale, const float *w_scale,
+                          int64_t panel_bytes, int64_t num_groups, int mr, int nt, int64_t next,
+                          int64_t panel, int64_t N, const float *x_scale, const float *w_scale,
                           const int32_t *w_comp, const float *bias, int silu_mul, void *out,
                           int out_dtype, int64_t stride_out) {
     switch (mr * 8 + nt) {
@@ -563,10 +587,12 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
 #endif
     for (int64_t p = begin; p < end; p += MAX_NT) {
         const int nt = end - p < MAX_NT ? (int)(end - p) : MAX_NT;
+        const int64_t next = p + MAX_NT < end ? MAX_NT * panel_bytes : 0; /* NEXT_TILE */
         for (int64_t m = amx_rows; m < M; m += MAX_MR) {
             const int mr = M - m < MAX_MR ? (int)(M - m) : MAX_MR;
             w8a8_dispatch(a->x_q + m * k_padded, k_padded, a->w_packed + p * panel_bytes,
-                          panel_bytes, num_groups, mr, nt, p, a->out_features, a->x_scale + m,
+                          panel_bytes, num_groups, mr, nt, m == amx_rows ? next : 0, p,
+                          a->out_features, a->x_scale + m,
                           a->w_scale, a->w_comp, a->bias, (int)a->silu_mul,
                           (char *)a->out + m * a->stride_out * out_size, (int)a->out_dtype,
                           a->stride_out);
@@ -608,6 +634,7 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
         __m512bh w_pairs[MAX_NT];                                                              \
         for (int j = 0; j < MAX_NT; j++) {                                                     \
             if (j >= nt) break;                                                                \
+            if (next) prefetch_l2(w + j * panel_elems + g * 32 + next);                        \
             w_pairs[j] = (__m512bh)_mm512_loadu_si512(w + j * panel_elems + g * 32);           \
         }                                                                                      \
         const __m512bh b0 = w_pairs[0], b1 = w_pairs[nt > 1], b2 = w_pairs[nt > 2 ? 2 : 0],   \
@@ -625,8 +652,8 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
 /* Rows 0..mr-1 of x against nt panels from `panel` on: sums, bias, activation, stores. */
 static inline __attribute__((always_inline)) void pair_tile(
     const uint16_t *x, int64_t stride_x, const uint16_t *w, int64_t panel_elems,
-    int64_t num_pairs, int odd, int mr, int nt, int64_t panel, int64_t N, const float *bias,
-    int silu_mul, void *out, int out_dtype, int64_t stride_out) {
+    int64_t num_pairs, int odd, int mr, int nt, int64_t next, int64_t panel, int64_t N,
+    const float *bias, int silu_mul, void *out, int out_dtype, int64_t stride_out) {
     PAIR_ZERO(0) PAIR_ZERO(1) PAIR_ZERO(2) PAIR_ZERO(3) PAIR_ZERO(4) PAIR_ZERO(5)
     int64_t g = 0;
     for (; g < num_pairs; g++) PAIR_STEP(4)
@@ -639,15 +666,15 @@ static inline __attribute__((always_inline)) void pair_tile(
 
 #define PAIR_CASE(MR, NT)                                                                      \
     case MR * 8 + NT:                                                                          \
-        pair_tile(x, stride_x, w, panel_elems, num_pairs, odd, MR, NT, panel, N, bias, silu_mul, \
-                  out, out_dtype, stride_out);                                                 \
+        pair_tile(x, stride_x, w, panel_elems, num_pairs, odd, MR, NT, next, panel, N, bias,    \
+                  silu_mul, out, out_dtype, stride_out);                                       \
         break;
 #define PAIR_CASES(MR) PAIR_CASE(MR, 1) PAIR_CASE(MR, 2) PAIR_CASE(MR, 3) PAIR_CASE(MR, 4)
 
 static void pair_dispatch(const uint16_t *x, int64_t stride_x, const uint16_t *w,
                           int64_t panel_elems, int64_t num_pairs, int odd, int mr, int nt,
-                          int64_t panel, int64_t N, const float *bias, int silu_mul, void *out,
-                          int out_dtype, int64_t stride_out) {
+                          int64_t next, int64_t panel, int64_t N, const float *bias, int silu_mul,
+                          void *out, int out_dtype, int64_t stride_out) {
     switch (mr * 8 + nt) {
         PAIR_CASES(1) PAIR_CASES(2) PAIR_CASES(3) PAIR_CASES(4) PAIR_CASES(5) PAIR_CASES(6)
     }
@@ -737,12 +764,14 @@ void kvrail_linear_bf16_packed(const struct kvrail_bf16_packed_args *a, int tid,
 #endif
     for (int64_t p = begin; p < end; p += MAX_NT) {
         const int nt = end - p < MAX_NT ? (int)(end - p) : MAX_NT;
+        const int64_t next = p + MAX_NT < end ? MAX_NT * panel_elems : 0; /* NEXT_TILE */
         for (int64_t m = 0; m < M; m += MAX_MR) {
             const int mr = M - m < MAX_MR ? (int)(M - m) : MAX_MR;
             pair_dispatch(a->x + m * a->stride_x, a->stride_x, a->w_packed + p * panel_elems,
-                          panel_elems, K / 2, (int)(K % 2), mr, nt, p, a->out_features, a->bias,
-                          (int)a->silu_mul, (char *)a->out + m * a->stride_out * out_size,
-                          (int)a->out_dtype, a->stride_out);
+                          panel_elems, K / 2, (int)(K % 2), mr, nt, m ? 0 : next, p,
+                          a->out_features, a->bias, (int)a->silu_mul,
+                          (char *)a->out + m * a->stride_out * out_size, (int)a->out_dtype,
+                          a->stride_out);
         }
     }
 }
@@ -913,11 +942,11 @@ static inline __attribute__((always_inline)) void dot_pair_f32_avx2(const float 
     F32_ZERO(0) F32_ZERO(1) F32_ZERO(2) F32_ZERO(3) F32_ZERO(4) F32_ZERO(5)
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
-        _mm_prefetch((const char *)(w_rows[0] + DOT_TILE * K + k), _MM_HINT_T0);
+        prefetch_l2(w_rows[0] + DOT_TILE * K + k); /* NEXT_TILE: the next tile's row */
         const __m256 b0 = _mm256_loadu_ps(w_rows[0] + k);
         __m256 b1 = b0;
         if (nj > 1) {
-            _mm_prefetch((const char *)(w_rows[1] + DOT_TILE * K + k), _MM_HINT_T0);
+            prefetch_l2(w_rows[1] + DOT_TILE * K + k);
             b1 = _mm256_loadu_ps(w_rows[1] + k);
         }
         F32_ROW(0) F32_ROW(1) F32_ROW(2) F32_ROW(3) F32_ROW(4) F32_ROW(5)
