@@ -224,7 +224,8 @@ static inline __attribute__((always_inline)) void w8a8_vectors_avx2(const int16_
     }
 #endif
 
-/* Integer dot products of an mr x nt tile: acc[i][j * PANEL + c] = sum_k xq[i][k] w[c][k]. */
+/* Integer dot products of an mr x nt tile: acc[i][j * PANEL + c] = sum_k xq[i][k] w[c][k].
+ * `next`: bytes from w to the thread's next tile, whose lines it asks L2 for (NEXT_TILE), or 0. */
 static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, int64_t stride_xq,
                                                             const int8_t *w, int64_t panel_bytes,
                                                             int64_t num_groups, int mr, int nt,
@@ -592,10 +593,9 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
             const int mr = M - m < MAX_MR ? (int)(M - m) : MAX_MR;
             w8a8_dispatch(a->x_q + m * k_padded, k_padded, a->w_packed + p * panel_bytes,
                           panel_bytes, num_groups, mr, nt, m == amx_rows ? next : 0, p,
-                          a->out_features, a->x_scale + m,
-                          a->w_scale, a->w_comp, a->bias, (int)a->silu_mul,
-                          (char *)a->out + m * a->stride_out * out_size, (int)a->out_dtype,
-                          a->stride_out);
+                          a->out_features, a->x_scale + m, a->w_scale, a->w_comp, a->bias,
+                          (int)a->silu_mul, (char *)a->out + m * a->stride_out * out_size,
+                          (int)a->out_dtype, a->stride_out);
         }
     }
 #ifdef KVRAIL_AMX
@@ -649,7 +649,8 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
         store_panels(y, nt, panel, N, silu_mul, out, out_dtype, i * stride_out);               \
     }
 
-/* Rows 0..mr-1 of x against nt panels from `panel` on: sums, bias, activation, stores. */
+/* Rows 0..mr-1 of x against nt panels from `panel` on: sums, bias, activation, stores. `next`:
+ * elements from w to the thread's next tile, whose lines it asks L2 for (NEXT_TILE), or 0. */
 static inline __attribute__((always_inline)) void pair_tile(
     const uint16_t *x, int64_t stride_x, const uint16_t *w, int64_t panel_elems,
     int64_t num_pairs, int odd, int mr, int nt, int64_t next, int64_t panel, int64_t N,
