@@ -36,7 +36,6 @@ and leaves DRAM idle in between. torch's systems, which a graph cannot record, r
 from __future__ import annotations
 
 import argparse
-import contextlib
 import platform
 import statistics
 import time
@@ -95,31 +94,28 @@ def forward_pass(
     graph: bool,
 ) -> Callable[[], None]:
     """What runs one forward pass's linear layers: each shape `count` times, over its matrices
-    in turn (one, or one per layer); C kernels from `library` when given, and with `graph`
-    recorded here once (which runs them) and replayed."""
+    in turn (one, or one per layer); C kernels from `library` (None: this checkout's), and
+    with `graph` recorded here once (which runs them) and replayed."""
     from engine.kernels.cpu_runtime import capture, kernel_library
 
     def run_pass() -> None:
-        for x, weights, count in work:
-            for i in range(count):
-                run(x, weights[i % len(weights)][system])
+        with kernel_library(library):
+            for x, weights, count in work:
+                for i in range(count):
+                    run(x, weights[i % len(weights)][system])
 
-    with kernel_library(library) if library is not None else contextlib.nullcontext():
-        if not graph:
-            return run_pass
-        with capture() as recorded:
-            run_pass()
-        return recorded.replay
-
-
-def time_pass(run_pass: Callable[[], None], library: Any) -> float:
-    """Seconds of one call of `run_pass` (launching from `library` when given)."""
-    from engine.kernels.cpu_runtime import kernel_library
-
-    with kernel_library(library) if library is not None else contextlib.nullcontext():
-        start = time.perf_counter()
+    if not graph:
+        return run_pass
+    with capture() as recorded:
         run_pass()
-        return time.perf_counter() - start
+    return recorded.replay
+
+
+def time_pass(run_pass: Callable[[], None]) -> float:
+    """Seconds of one call of `run_pass`."""
+    start = time.perf_counter()
+    run_pass()
+    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,11 +185,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for label, name, library in timed
             }
-            for label, _, library in timed:  # warm-up: first calls pick kernels
-                time_pass(passes[label], library)
+            for run_pass in passes.values():  # warm-up: first calls pick kernels
+                run_pass()
             for _ in range(args.rounds):
-                for label, _, library in timed:
-                    times[label].append(time_pass(passes[label], library))
+                for label, run_pass in passes.items():
+                    times[label].append(time_pass(run_pass))
             ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
             results.append(dict(num_tokens=num_tokens, ms=ms))
     labels = [label for label, *_ in timed]

@@ -50,13 +50,14 @@ def _kernel_address(lib: ctypes.CDLL, name: str) -> int:
 
 
 @contextlib.contextmanager
-def kernel_library(lib: ctypes.CDLL) -> Iterator[None]:
+def kernel_library(lib: ctypes.CDLL | None) -> Iterator[None]:
     """Launch this thread's kernels from `lib`, another build of the kernel library (a git
-    ref's), inside this block: a benchmark's before and after of a kernel in one process,
-    the two builds taking turns (`benchmarks.linear_kernels --baseline-ref`). The launchers
-    are this checkout's, so `lib`'s kernels must take the same argument structs and data
-    layouts."""
-    cpu_build.declare(lib, "kvrail_run", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
+    ref's; None: this checkout's), inside this block: a benchmark's before and after of a
+    kernel in one process, the two builds taking turns (`benchmarks.linear_kernels
+    --baseline-ref`). The launchers are this checkout's, so `lib`'s kernels must take the
+    same argument structs and data layouts."""
+    if lib is not None:
+        cpu_build.declare(lib, "kvrail_run", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int])
     previous = getattr(_state, "library", None)
     _state.library = lib
     try:
