@@ -56,13 +56,14 @@ static inline float silu(float v) { return v / (1.0f + expf(-v)); }
  * stops at page boundaries, starts over at every tile. So while a tile's first rows multiply
  * its weights from DRAM, each weight line read asks for the line at the same place of the
  * thread's next tile, into L2 (prefetcht1; the float kernel asked for it into L1 before, where
- * the requests held the core's few L1 miss buffers, as in cpu_decode_attention.c). Rows after
- * a tile's first find it in L2 and ask for nothing. The AVX2 W8A8 tile asks only with 3+ rows,
- * whose two passes over a panel read each line twice: with 1-2 rows, one pass in order, the
- * hardware prefetcher kept up and the requests cost 10% (by hand, W8A8 M = 1 built without
- * AVX-512 on a Zen 4). On 2 vCPUs of a Zen 4 EPYC, SmolLM2-135M's 121 linears with a weight of
- * their own each, replayed as one CPU graph as decode steps run them, against the library
- * before in turn (`python -m benchmarks.linear_kernels --per-layer-weights --graph
+ * the requests held the core's few L1 miss buffers, as in cpu_decode_attention.c). In the
+ * packed kernels rows after a tile's first find it in L2 and ask for nothing (the float
+ * kernel, at most 8 rows, asks in each of its row tiles). The AVX2 W8A8 tile asks only with
+ * 3+ rows, whose two passes over a panel read each line twice: with 1-2 rows, one pass in
+ * order, the hardware prefetcher kept up and the requests cost 10% (by hand, W8A8 M = 1 built
+ * without AVX-512 on a Zen 4). On 2 vCPUs of a Zen 4 EPYC, SmolLM2-135M's 121 linears with a
+ * weight of their own each, replayed as one CPU graph as decode steps run them, against the
+ * library before in turn (`python -m benchmarks.linear_kernels --per-layer-weights --graph
  * --num-tokens 1,6 --baseline-ref <before>`, results/linear_kernels-zen4-next-tile*.md): the
  * float kernel in fp32 0.72x the time at M = 1 and 0.58x at M = 6 (a verify step of 5 drafts);
  * W8A8 on fp32 activations 0.99x and 0.71x, on bf16 ones 0.99x and 0.93x; packed bf16 0.97x
