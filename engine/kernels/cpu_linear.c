@@ -51,28 +51,34 @@
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
-/* NEXT_TILE: a thread streams its weights a tile at a time, each tile's panels (or, in the
- * float kernel, its rows) side by side, so the hardware prefetcher, which follows a run and
- * stops at page boundaries, starts over at every tile. So while a tile's first rows multiply
- * its weights from DRAM, each weight line read asks for the line at the same place of the
- * thread's next tile, into L2 (prefetcht1; the float kernel asked for it into L1 before, where
- * the requests held the core's few L1 miss buffers, as in cpu_decode_attention.c). In the
- * packed kernels rows after a tile's first find it in L2 and ask for nothing (the float
- * kernel, at most 8 rows, asks in each of its row tiles). The AVX2 W8A8 tile asks only with
- * 3+ rows, whose two passes over a panel read each line twice: with 1-2 rows, one pass in
- * order, the hardware prefetcher kept up and the requests cost 10% (by hand, W8A8 M = 1 built
- * without AVX-512 on a Zen 4). On 2 vCPUs of a Zen 4 EPYC, SmolLM2-135M's 121 linears with a
- * weight of their own each, replayed as one CPU graph as decode steps run them, against the
- * library before in turn (`python -m benchmarks.linear_kernels --per-layer-weights --graph
+/* NEXT_TILE: a thread streams its weights a tile at a time, each tile's panels (or, in the float
+ * kernel, its rows) side by side, so the hardware prefetcher, which follows a run and stops at
+ * page boundaries, starts over at every tile. So while a tile's first rows multiply its weights
+ * from DRAM, each weight line read asks for the line at the same place of the thread's next
+ * tile, into L2 (prefetcht1; the float kernel asked for it into L1 before, where the requests
+ * held the core's few L1 miss buffers, as in cpu_decode_attention.c). In the packed kernels rows
+ * after a tile's first find it in L2 and ask for nothing (the float kernel, at most 8 rows, asks
+ * in each of its row tiles). The W8A8 tiles ask only with 3+ rows (W8A8_NEXT_TILE_ROWS): the
+ * AVX2 tile's 1-2 rows take one pass in order over a panel (3+ rows two, reading each line
+ * twice), which the hardware prefetcher kept up with, and the requests cost 10% (by hand, W8A8
+ * M = 1 built without AVX-512 on a Zen 4); the VNNI tile's 1 row took 1.07-1.09x the time and 2
+ * rows 1.03x on an AMX Xeon (family 6 model 167, three runs of the benchmark below at M = 1-3,
+ * results/linear_kernels-amx-next-tile*.md; 3 rows 1.01x, and 4+ rows go to its tile unit),
+ * where on the Zen 4 1 row took 0.99x. On 2 vCPUs of a Zen 4 EPYC, SmolLM2-135M's 121 linears
+ * with a weight of their own each, replayed as one CPU graph as decode steps run them, against
+ * the library before in turn (`python -m benchmarks.linear_kernels --per-layer-weights --graph
  * --num-tokens 1,6 --baseline-ref <before>`, results/linear_kernels-zen4-next-tile*.md): the
  * float kernel in fp32 0.72x the time at M = 1 and 0.58x at M = 6 (a verify step of 5 drafts);
- * W8A8 on fp32 activations 0.99x and 0.71x, on bf16 ones 0.99x and 0.93x; packed bf16 0.97x
- * and 0.98x; M = 128 0.97-1.01x. By hand the same pass gained more on a busier spell (W8A8 at
- * M = 6 0.70x in bf16): the further DRAM's latency, the more a request ahead saves. Single
- * stream (`python -m benchmarks.latency --dtype float32 --baseline-ref <before>`,
- * results/latency-zen4-next-tile-f32.md) 36.2 -> 52.5 tok/s in fp32; bf16 and int8 within
- * their rounds' spread. Always inlined (a macro): a prefetch has no effect gcc counts. */
+ * W8A8 on fp32 activations 0.99x and 0.71x, on bf16 ones 0.99x and 0.93x; packed bf16 0.97x and
+ * 0.98x; M = 128 0.97-1.01x. By hand the same pass gained more on a busier spell (W8A8 at M = 6
+ * 0.70x in bf16): the further DRAM's latency, the more a request ahead saves. Single stream
+ * (`python -m benchmarks.latency --dtype float32 --baseline-ref <before>`,
+ * results/latency-zen4-next-tile-f32.md) 36.2 -> 52.5 tok/s in fp32; bf16 and int8 within their
+ * rounds' spread. On the AMX Xeon the float kernel in fp32 took 0.98x and 1.00x at M = 1 and 6
+ * (results/linear_kernels-amx-next-tile-f32.md). Always inlined (a macro): a prefetch has no
+ * effect gcc counts. */
 #define prefetch_l2(p) __builtin_prefetch((const void *)(p), 0, 2)
+#define W8A8_NEXT_TILE_ROWS 3 /* the fewest rows of a W8A8 tile that asks (NEXT_TILE) */
 
 /* One token's activations -> int8 (stored + 128) and its scale. k in [K, k_padded) gets 0.
  * Loops are written per dtype, without branches, so that they vectorize. */
@@ -264,7 +270,7 @@ static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, i
         for (int j = 0; j < nt; j++)
             for (int h = 0; h < 4 / nv; h++)
                 w8a8_vectors_avx2(xw, w + j * panel_bytes + g0 * 64 + h * nv * 16, ng, mr, nv,
-                                  nv == 2 && h == 0 ? next : 0, &raw[0][j][nv * h]);
+                                  h == 0 ? next : 0, &raw[0][j][nv * h]);
     }
     const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     for (int i = 0; i < mr; i++)
@@ -593,7 +599,8 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
         for (int64_t m = amx_rows; m < M; m += MAX_MR) {
             const int mr = M - m < MAX_MR ? (int)(M - m) : MAX_MR;
             w8a8_dispatch(a->x_q + m * k_padded, k_padded, a->w_packed + p * panel_bytes,
-                          panel_bytes, num_groups, mr, nt, m == amx_rows ? next : 0, p,
+                          panel_bytes, num_groups, mr, nt,
+                          m == amx_rows && mr >= W8A8_NEXT_TILE_ROWS ? next : 0, p,
                           a->out_features, a->x_scale + m, a->w_scale, a->w_comp, a->bias,
                           (int)a->silu_mul, (char *)a->out + m * a->stride_out * out_size,
                           (int)a->out_dtype, a->stride_out);
