@@ -3,8 +3,8 @@ W8A8 kernels.
 
 Unquantized steps of at most `engine.models.layers.cpu_float_kernel_max_tokens` tokens run the
 C float kernel (and can then be recorded into a CPU graph); larger ones run torch's matmul
-(oneDNN). In bf16 on an AVX512-BF16 CPU without AMX, the packed bf16 kernel runs every step
-instead (`C packed bf16`, timed wherever the CPU has AVX512-BF16 and activations are bf16).
+(oneDNN). In bf16 on an AVX512-BF16 CPU (with AMX or not), the packed bf16 kernel runs every
+step instead (`C packed bf16`, timed there in place of `C float`).
 `quantization="int8"` runs the C W8A8 kernel at every size. This times one forward
 pass's worth of the model's linear layers (the engine's fused shapes: qkv, o, gate_up, down
 per layer, then the LM head) each way at each `--num-tokens`, alternating the systems within
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from engine.kernels.int8_ref import quantize_rows_int8
     from engine.model_runner import resolve_dtype
+    from engine.models.layers import packs_bf16
 
     config = AutoConfig.from_pretrained(resolve_model(args.model))
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
@@ -142,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = dict(
         zip(SYSTEMS, (F.linear, float_kernel, linear_bf16_packed, linear_w8a8, int_mm), strict=True)
     )
-    packed_bf16 = dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported()
-    systems = [name for name in SYSTEMS if name != "C packed bf16" or packed_bf16]
+    packed_bf16 = packs_bf16(dtype)
+    # The C kernel the engine runs for unquantized steps: packed bf16 or float, never both.
+    systems = [name for name in SYSTEMS if name != ("C float" if packed_bf16 else "C packed bf16")]
     # (label, system, library: None for this checkout's), the baseline's right after each C kernel
     ref = args.baseline_ref
     base = baseline_library(ref) if ref is not None else None

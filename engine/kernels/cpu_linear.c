@@ -33,8 +33,9 @@
  * for every M keeps a row's outputs independent of the batch.
  *
  * Without AVX512-VNNI, AVX2 multiplies the int8 panels through int16 (vpmaddwd); without
- * either, and for the float kernel without AVX512-BF16, the same loops run in portable C
- * (what gcc vectorizes for the machine), so every machine computes the same results.
+ * either, and for the float kernel's bf16 (which only CPUs without AVX512-BF16 run), the same
+ * loops run in portable C (what gcc vectorizes for the machine), so every machine computes the
+ * same results.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -796,14 +797,6 @@ void kvrail_linear_bf16_packed(const struct kvrail_bf16_packed_args *a, int tid,
 #else
 #define F32_DOT_ROWS DOT_TILE
 #endif
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-/* dot_tile_bf16: 6 rows x 4 columns of accumulators, 4 weight vectors and an activation,
- * 29 of the 32 zmm registers. With 4 rows, M = 5 (a speculative verify step of k = 4) took
- * two tiles (3 + 2 rows), each streaming its columns' weights again through L1. */
-#define BF16_DOT_ROWS 6
-#else
-#define BF16_DOT_ROWS DOT_TILE
-#endif
 
 static inline float dot_generic_f32(const float *a, const float *b, int64_t K) {
     float s = 0.0f;
@@ -819,92 +812,6 @@ static inline float dot_generic_bf16(const uint16_t *a, const uint16_t *b, int64
     return s;
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-/* The lane sums of four vectors, in one vector: halves folded two vectors at a time, then
- * horizontal adds, 13 instructions where four separate reductions take 32. A tile of 5 or 6
- * rows has 20 or 24 sums to reduce over only K / 32 iterations (18 for most of SmolLM2's
- * layers). */
-static inline __m128 hsum4_ps(__m512 a, __m512 b, __m512 c, __m512 d) {
-    /* 128-bit lanes: ab = [a0+a2, a1+a3, b0+b2, b1+b3], cd likewise */
-    const __m512 ab =
-        _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-    const __m512 cd =
-        _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-    /* [a, b, c, d]: each 128-bit lane the 4 partial sums of one vector */
-    const __m512 abcd =
-        _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-    const __m256 lo = _mm512_castps512_ps256(abcd), hi = _mm512_extractf32x8_ps(abcd, 1);
-    /* hadd(lo, hi) = [a01 a23 c01 c23 | b01 b23 d01 d23]; once more: [a c a c | b d b d] */
-    const __m256 h = _mm256_hadd_ps(lo, hi);
-    const __m256 h2 = _mm256_hadd_ps(h, h);
-    /* lanes 0, 1 of each half: a, c and b, d */
-    const __m128 ac = _mm256_castps256_ps128(h2), bd = _mm256_extractf128_ps(h2, 1);
-    return _mm_unpacklo_ps(ac, bd); /* [a, b, c, d] */
-}
-
-/* sums[i][j] = x[i] . w[j] for a tile, bf16 pairs multiplied into fp32 lanes. The 24
- * accumulators are named one by one, each row and column kept by the tile's shape (constants
- * once inlined by the dispatch below): as an array, gcc 12 stored every accumulator to the
- * stack each k step, 24 stores for 24 vdpbf16ps; on 2 vCPUs of an AVX512-BF16 Zen 4 the
- * kernel ran 38-50 GFLOP/s a thread at M = 6..48 against oneDNN's 141-214 (L2-resident
- * weights; `benchmarks.linear_kernels` has the engine's shapes). */
-#define BF16_ZERO(i) __m512 c##i##0 = _mm512_setzero_ps(), c##i##1 = c##i##0, c##i##2 = c##i##0, \
-                             c##i##3 = c##i##0;
-#define BF16_ROW(i)                                                                            \
-    if (mr > i) {                                                                              \
-        const __m512bh a = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * stride_x + k);     \
-        c##i##0 = _mm512_dpbf16_ps(c##i##0, a, b0);                                            \
-        if (nr > 1) c##i##1 = _mm512_dpbf16_ps(c##i##1, a, b1);                                \
-        if (nr > 2) c##i##2 = _mm512_dpbf16_ps(c##i##2, a, b2);                                \
-        if (nr > 3) c##i##3 = _mm512_dpbf16_ps(c##i##3, a, b3);                                \
-    }
-#define BF16_SUMS(i)                                                                           \
-    if (mr > i) {                                                                              \
-        if (nr == DOT_TILE) {                                                                  \
-            _mm_storeu_ps(sums + i * DOT_TILE, hsum4_ps(c##i##0, c##i##1, c##i##2, c##i##3));  \
-        } else {                                                                               \
-            const __m512 row[3] = {c##i##0, c##i##1, c##i##2};                                 \
-            for (int j = 0; j < nr; j++) sums[i * DOT_TILE + j] = _mm512_reduce_add_ps(row[j]); \
-        }                                                                                      \
-    }
-
-static inline __attribute__((always_inline)) void dot_tile_bf16(const uint16_t *x,
-                                                                int64_t stride_x,
-                                                                const uint16_t *const *w_rows,
-                                                                int mr, int nr, int64_t K,
-                                                                float *sums) {
-    BF16_ZERO(0) BF16_ZERO(1) BF16_ZERO(2) BF16_ZERO(3) BF16_ZERO(4) BF16_ZERO(5)
-    for (int64_t k = 0; k < K; k += 32) {
-        const __mmask32 mask = K - k >= 32 ? 0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
-        __m512bh b[DOT_TILE];
-        for (int j = 0; j < DOT_TILE; j++) {
-            if (j >= nr) break;
-            /* The next tile's rows, a tile ahead: single-stream decode of SmolLM2 (the weights
-             * streamed from L3) went from 55 to 78 tok/s on an AMX Xeon (benchmarks.latency);
-             * two tiles ahead gave 75. */
-            _mm_prefetch((const char *)(w_rows[j] + DOT_TILE * K + k), _MM_HINT_T0);
-            b[j] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w_rows[j] + k);
-        }
-        const __m512bh b0 = b[0], b1 = b[nr > 1], b2 = b[nr > 2 ? 2 : 0], b3 = b[nr > 3 ? 3 : 0];
-        BF16_ROW(0) BF16_ROW(1) BF16_ROW(2) BF16_ROW(3) BF16_ROW(4) BF16_ROW(5)
-    }
-    BF16_SUMS(0) BF16_SUMS(1) BF16_SUMS(2) BF16_SUMS(3) BF16_SUMS(4) BF16_SUMS(5)
-}
-#define BF16_TILE(MR, NR)                                                                       \
-    case MR * 8 + NR:                                                                           \
-        dot_tile_bf16(x, stride_x, w_rows, MR, NR, K, sums);                                    \
-        break;
-#define BF16_TILES(MR) BF16_TILE(MR, 1) BF16_TILE(MR, 2) BF16_TILE(MR, 3) BF16_TILE(MR, 4)
-
-static void dot_tile_bf16_dispatch(const uint16_t *x, int64_t stride_x,
-                                   const uint16_t *const *w_rows, int mr, int nr, int64_t K,
-                                   float *sums) {
-    switch (mr * 8 + nr) {
-        BF16_TILES(1) BF16_TILES(2) BF16_TILES(3) BF16_TILES(4) BF16_TILES(5) BF16_TILES(6)
-    }
-}
-#endif
-
 #if defined(__AVX2__) && defined(__FMA__)
 /* sums[i][j] = x[i] . w[j] for a tile in fp32 with AVX2 FMA, weight rows two at a time (12
  * accumulators, an x row and two weight vectors fit the 16 ymm registers): each weight
@@ -914,7 +821,7 @@ static void dot_tile_bf16_dispatch(const uint16_t *x, int64_t stride_x,
  * (`benchmarks.linear_kernels`), M = 4 took 2.19x and M = 8 3.52x the time of M = 1; with
  * this tile 1.31x and 2.13x (M = 5: 1.50x; `results/linear_kernels-avx2-f32tile.md`).
  * The accumulators named one by one (c<row><column>), kept by the tile's shape (constants once
- * inlined, `dot_tile_f32_dispatch`), as in dot_tile_bf16: as arrays, gcc 12 stored most
+ * inlined, `dot_tile_f32_dispatch`): as arrays, gcc 12 stored most
  * shapes' accumulators to the stack every k step. */
 #define F32_ZERO(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = c##i##0;
 #define F32_ROW(i)                                                                             \
@@ -987,12 +894,6 @@ static void dot_tile_f32_dispatch(const float *x, int64_t stride_x, const float 
 
 static void dot_tile(const void *x, int dtype, int64_t stride_x, const void *const *w_rows,
                      int mr, int nr, int64_t K, float *sums) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    if (dtype == KVRAIL_BF16) {
-        dot_tile_bf16_dispatch(x, stride_x, (const uint16_t *const *)w_rows, mr, nr, K, sums);
-        return;
-    }
-#endif
 #if defined(__AVX2__) && defined(__FMA__)
     if (dtype == KVRAIL_F32) {
         dot_tile_f32_dispatch(x, stride_x, (const float *const *)w_rows, mr, nr, K, sums);
@@ -1032,7 +933,7 @@ void kvrail_linear_float(const struct kvrail_float_linear_args *a, int tid, int 
      * `results/linear_kernels-avx2-f32rows.md`), tiles of at most 4 rows -> at most 6, even:
      * M = 5 (a speculative verify step of k = 4) 42.4 -> 22.8 ms, M = 7 50.2 -> 31.6 ms,
      * M = 4 21.6 -> 19.8 ms, M = 1 16.5 -> 15.6 ms. */
-    const int max_rows = a->dtype == KVRAIL_F32 ? F32_DOT_ROWS : BF16_DOT_ROWS;
+    const int max_rows = a->dtype == KVRAIL_F32 ? F32_DOT_ROWS : DOT_TILE;
     const int num_tiles = (int)((M + max_rows - 1) / max_rows);
     const int tile_rows = num_tiles ? (int)((M + num_tiles - 1) / num_tiles) : 1;
     for (int64_t n0 = begin; n0 < end; n0 += DOT_TILE) {
