@@ -321,6 +321,8 @@ def measure_matmul_flops(config: Any, num_tokens: int, dtype: str, seconds: floa
     kernel too (`engine.kernels.cpu_linear.linear_bf16_packed`); the faster."""
     import torch
 
+    from engine.models.layers import packs_bf16
+
     torch_dtype = getattr(torch, dtype)
     # One layer's distinct shapes plus the LM head; the model repeats them layer after layer.
     shapes = sorted(set(linear_shapes(config)))
@@ -328,7 +330,7 @@ def measure_matmul_flops(config: Any, num_tokens: int, dtype: str, seconds: floa
     inputs = [torch.randn(num_tokens, n_in, dtype=torch_dtype) for n_in, _ in shapes]
     flops_per_round = sum(2.0 * num_tokens * w.numel() for w in weights)
     ways = [(torch.nn.functional.linear, weights)]
-    if torch_dtype == torch.bfloat16 and torch.cpu._is_avx512_bf16_supported():
+    if packs_bf16(torch_dtype):
         from engine.kernels.cpu_linear import linear_bf16_packed, pack_bf16
 
         ways.append((linear_bf16_packed, [pack_bf16(w, None, False) for w in weights]))

@@ -65,7 +65,6 @@ def decode_step(layer: Any, batch: int, context: int, block_size: int, model: An
         num_reqs=batch,
         num_actual_tokens=batch,
         max_query_len=1,
-        max_seq_len=context + 1,
         block_size=block_size,
     )
     hidden = torch.randn(batch, model.config.hidden_size).to(model.model.dtype)

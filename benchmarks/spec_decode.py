@@ -469,12 +469,6 @@ def agreement_pass(
     return {set_name: agreement(set_runs) for set_name, set_runs in runs.items()}
 
 
-def bf16_supported() -> bool:
-    import torch
-
-    return torch.cpu._is_avx512_bf16_supported()
-
-
 # ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
@@ -679,6 +673,7 @@ def fmt_limits(limits: dict[str, int | None]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from engine import load_tokenizer, resolve_model
+    from engine.kernels.cpu_build import cpu_bf16_unit
 
     sets = build_sets(args, load_tokenizer(resolve_model(args.model)))
     systems = system_configs(args)
@@ -704,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     if dtype != "float32":
         results["agreement"]["float32"] = agreement_pass(args, "float32", sets)
     if dtype != "bfloat16":
-        if bf16_supported():
+        if cpu_bf16_unit() is not None:
             results["agreement"]["bfloat16"] = agreement_pass(args, "bfloat16", sets)
         else:
             results["notes"].append("bfloat16 agreement skipped: this CPU lacks AVX512-BF16.")

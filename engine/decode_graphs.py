@@ -107,7 +107,6 @@ class DecodeGraphs(ABC):
             num_reqs=size,
             num_actual_tokens=size * q,
             max_query_len=q,
-            max_seq_len=self.block_table.shape[1] * self.block_size,
             block_size=self.block_size,
         )
 

@@ -40,6 +40,7 @@ from engine.decode_graphs import (
     capture_sizes,
 )
 from engine.kernels import cpu_attention
+from engine.kernels.cpu_build import cpu_bf16_unit
 from engine.loader import load_model
 from engine.models.layers import model_kernels
 from engine.models.llama import head_dim_of
@@ -75,7 +76,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         # bf16 matmuls run 2.3-2.6x faster than fp32 on CPUs with AVX512-BF16 (measured on
         # model-shaped matrices); parity with HF is checked in fp32, which stays available.
-        fast_bf16 = device.type == "cuda" or torch.cpu._is_avx512_bf16_supported()
+        fast_bf16 = device.type == "cuda" or cpu_bf16_unit() is not None
         return torch.bfloat16 if fast_bf16 else torch.float32
     return getattr(torch, name)  # EngineConfig's dtype names are torch's
 
@@ -300,7 +301,6 @@ class ModelRunner:
             num_reqs=len(seq_lens),
             num_actual_tokens=num_tokens,
             max_query_len=int(seq_lens.max()),
-            max_seq_len=int(seq_lens.max()),
             block_size=self.block_size,
         )
         return positions.to(self.device), common, kv_caches
@@ -562,7 +562,6 @@ class ModelRunner:
             num_reqs=len(rows),
             num_actual_tokens=num_tokens,
             max_query_len=int(num_scheduled.max()),
-            max_seq_len=max_seq_len,
             block_size=self.block_size,
         )
         return to_device(input_ids), to_device(positions), common

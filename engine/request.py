@@ -34,10 +34,10 @@ MAX_ABS_LOGIT_BIAS = 100
 MAX_INT32 = 2**31 - 1
 
 
-def _bounded(default: object, why: str | None = None, **bounds: float) -> Any:
+def _bounded(default: object, **bounds: float) -> Any:
     """A scalar field with its range as JSON Schema keywords (`minimum`, `maximum`,
-    `exclusiveMinimum`); `why` replaces the error text derived from them."""
-    return field(default=default, metadata={"bounds": bounds, "why": why})
+    `exclusiveMinimum`)."""
+    return field(default=default, metadata={"bounds": bounds})
 
 
 @dataclass
@@ -214,9 +214,7 @@ def sampling_fields() -> dict[str, SamplingField]:
     for f in dataclasses.fields(SamplingParams):
         kinds, nullable = value_kinds(hints[f.name])
         bounds = f.metadata.get("bounds", {})
-        specs[f.name] = SamplingField(
-            f.name, kinds, nullable, bounds, f.metadata.get("why") or _why(kinds, bounds)
-        )
+        specs[f.name] = SamplingField(f.name, kinds, nullable, bounds, _why(kinds, bounds))
     return specs
 
 

@@ -54,22 +54,17 @@ def create_app(
     tokenizer_dir: str | Path,
     settings: Settings,
     *,
-    max_model_len: int | None = None,
     worker_cache_s: float = 1.0,
 ) -> Starlette:
     """The API app serving `model_name` with the tokenizer in `tokenizer_dir`.
 
     Its limits and API key are the `settings`' (api_key, max_body_bytes, max_pending,
-    stream_timeout_s, response_ttl_s, resume_grace_s, unknown_fields). `max_model_len` is only
-    reported when no worker is alive; `worker_cache_s` is how long a read of the worker
-    heartbeats is reused. The Redis client and its response reader live for the app's lifespan.
+    stream_timeout_s, response_ttl_s, resume_grace_s, unknown_fields). `worker_cache_s` is how
+    long a read of the worker heartbeats is reused. The Redis client and its response reader
+    live for the app's lifespan.
     """
     state = ApiState(
-        model_name=model_name,
-        tokenizer=_load_tokenizer(str(tokenizer_dir)),
-        settings=settings,
-        max_model_len=max_model_len,
-        worker_cache_s=worker_cache_s,
+        model_name=model_name, tokenizer=_load_tokenizer(str(tokenizer_dir)), settings=settings
     )
 
     @contextlib.asynccontextmanager
@@ -140,17 +135,16 @@ class HeaderTimeoutProtocol(H11Protocol):
             self._header_timer = None
 
 
-def server_config(
-    app: Starlette, host: str, port: int, settings: Settings, *, log_level: str = "info"
-) -> uvicorn.Config:
-    """uvicorn's configuration for the API `app`, with the settings' HTTP timeouts and limit."""
+def server_config(app: Starlette, host: str, port: int, settings: Settings) -> uvicorn.Config:
+    """uvicorn's configuration for the API `app`, with the settings' HTTP timeouts and limit
+    and their log level."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         loop="uvloop",
         log_config=None,  # logging is configured once by the CLI (service.logging)
-        log_level=log_level,
+        log_level=settings.log_level.lower(),
         http=partial(HeaderTimeoutProtocol, header_timeout_s=settings.http_header_timeout_s),
         timeout_keep_alive=settings.http_keep_alive_s,
         # uvicorn answers 503 once the open connections, the new one among them, reach its
@@ -177,7 +171,6 @@ async def build_api_server(
     settings: Settings,
     *,
     served_model_name: str | None = None,
-    log_level: str = "info",
 ) -> ApiServer:
     """The API on uvicorn (uvloop), ready to `serve()`; stop it with `should_exit = True`.
 
@@ -187,4 +180,4 @@ async def build_api_server(
     tokenizer_dir = await asyncio.to_thread(resolve_model, model)
     name = served_model_name or _served_model_name(model)
     app = await asyncio.to_thread(create_app, redis_url, name, tokenizer_dir, settings)
-    return ApiServer(server_config(app, host, port, settings, log_level=log_level))
+    return ApiServer(server_config(app, host, port, settings))

@@ -165,8 +165,6 @@ class ApiState:
     model_name: str
     tokenizer: Any
     settings: Settings
-    max_model_len: int | None  # used when no worker reports one (/tokenize only)
-    worker_cache_s: float
     started: int = field(default_factory=lambda: int(time.time()))
     client: KvrailClient = field(init=False)
     workers: WorkerView = field(init=False)

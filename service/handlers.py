@@ -86,7 +86,7 @@ async def _model_card(state: ApiState) -> dict[str, Any]:
         "owned_by": "kvrail",
         "root": state.model_name,
         "parent": None,
-        "max_model_len": min((w.max_model_len for w in live), default=state.max_model_len),
+        "max_model_len": min((w.max_model_len for w in live), default=None),
     }
 
 
@@ -130,7 +130,7 @@ async def tokenize(request: Request) -> Response:
     return JSONResponse(
         {
             "count": len(tokens),
-            "max_model_len": min((w.max_model_len for w in live), default=state.max_model_len),
+            "max_model_len": min((w.max_model_len for w in live), default=None),
             "tokens": tokens,
             "token_strs": strs,
         }

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-# vLLM's "fp8" KV cache: e4m3 (no infinities; NaN only as 0x7f/0xff), largest finite 448.
+# vLLM's "fp8" (KV cache and weights): e4m3 (no infinities; NaN only as 0x7f/0xff), largest
+# finite 448.
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 
@@ -69,7 +70,6 @@ class CommonAttentionMetadata:
     num_reqs: int
     num_actual_tokens: int  # sum of query lengths; inputs may be padded beyond it
     max_query_len: int
-    max_seq_len: int
     block_size: int
 
 

@@ -8,7 +8,7 @@
  * needs a barrier in the middle is two kernels. Its arguments are one struct of pointers
  * and sizes, mirrored by a ctypes Structure in Python.
  * `kvrail_run` runs one kernel in a fresh team; `kvrail_replay` runs a recorded list of
- * kernels in one team with a barrier after each (engine/cpu_graphs.py): a decode step's
+ * kernels in one team with a barrier after each (`CpuGraph` in cpu_runtime.py): a decode step's
  * hundreds of kernels then cost one call and no fork/join between them.
  */
 #ifndef KVRAIL_CPU_COMMON_H
@@ -130,13 +130,6 @@ static inline void store16_u16(uint16_t *p, __mmask16 mask, __m256i x) {
         _mm256_storeu_si256((__m256i *)p, x);
     else
         _mm256_mask_storeu_epi16(p, mask, x);
-}
-
-static inline void store16_u8(uint8_t *p, __mmask16 mask, __m128i x) {
-    if (mask == 0xffff)
-        _mm_storeu_si128((__m128i *)p, x);
-    else
-        _mm_mask_storeu_epi8(p, mask, x);
 }
 #endif
 

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite e4m3fn value
+from engine.attention import FP8_DTYPE, FP8_MAX
+
 MULTIPLE = 16  # _scaled_mm: K and N multiples of 16
 
 

@@ -92,7 +92,6 @@ def make_step(reqs, num_heads, num_kv_heads, block_size, num_pad_tokens=0, seed=
         num_reqs=len(reqs),
         num_actual_tokens=int(query_lens.sum()),
         max_query_len=int(query_lens.max()),
-        max_seq_len=int(seq_lens.max()),
         block_size=block_size,
     )
     return q, k, v, k_cache, v_cache, common, qs, contexts

@@ -124,7 +124,6 @@ def run_model_steps(
             num_reqs=len(reqs),
             num_actual_tokens=len(input_ids),
             max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
             block_size=BLOCK_SIZE,
         )
         with torch.inference_mode(), set_forward_context(backend.build(common)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import threading
 import time
@@ -122,8 +123,8 @@ class Api:
     def __init__(self, app) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        settings = app.state.api.settings
-        config = server_config(app, "127.0.0.1", self.port, settings, log_level="warning")
+        settings = dataclasses.replace(app.state.api.settings, log_level="WARNING")
+        config = server_config(app, "127.0.0.1", self.port, settings)
         self.server = uvicorn.Server(config)
         self._task: asyncio.Task | None = None
 
