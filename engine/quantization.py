@@ -121,7 +121,7 @@ class Int8LinearMethod(QuantizedLinearMethod):
         if self.device.type == "cpu":
             from engine.kernels.cpu_linear import linear_w8a8
 
-            return linear_w8a8(x, layer.packed)
+            return linear_w8a8(x, layer.packed, layer.streams_out(x.shape[0], x.dtype))
         from engine.kernels.int8_gemm import int8_linear
 
         return self.activate(

@@ -299,6 +299,24 @@ static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, i
 #endif
 }
 
+/* STREAM_OUT: an output read once, later, by another kernel (the LM head's logits, which the
+ * sampler reads after the whole product) is written with non-temporal stores: whole lines
+ * straight to memory, with no read for ownership and no cache line taken. By hand on 2 vCPUs of
+ * an AMX Xeon (family 6 model 167), SmolLM2's LM head (49,152 x 576) in packed bf16 with fp32
+ * logits, the two libraries in turn in one process: 128 rows 9.5 -> 5.7 ms, 256 rows 20.8 ->
+ * 10.4 ms. The rows are 196,608 bytes apart, a multiple of 4 KiB, so they share cache sets;
+ * padded 64 bytes off it instead, 8.5 and 17.6 ms. In the engine, a decode step of 128 requests
+ * (`python -m benchmarks.profile_step --attention-backends cpu [--quantization int8]
+ * --num-requests 128 --input-len 64:512 --output-len 64:256 --skip-steps 60 --steps 10`, before
+ * and after): bf16 (two runs each way) the LM head 12.6-15.3 -> 9.7-10.3 ms, its argmax 1.1 ->
+ * 1.5 ms, the step 108.0-110.7 -> 105.6-109.2 ms; int8 (bf16 logits) the LM head 5.9 -> 3.3 ms,
+ * the step 98.2 -> 95.6 ms. Only the AVX-512 epilogues stream (store_panels); the others store
+ * as usual. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define stream_fence() _mm_sfence() /* the streamed lines visible before the team's barrier */
+#else
+#define stream_fence() ((void)0)
+#endif
 
 /* Store n values of a row (vectorizes: no dtype branch inside the loop). */
 static inline void store_row(void *out, int dtype, int64_t offset, const float *y, int n) {
@@ -334,9 +352,10 @@ static inline __m512 silu_mul16(__m512 gate, __m512 up) {
 }
 
 /* One row of a tile's outputs, y[j] the 16 columns of panel `panel` + j (with silu_mul, pairs
- * (gate, up) give one output panel each), stored at element `offset` of `out` on. */
+ * (gate, up) give one output panel each), stored at element `offset` of `out` on; with
+ * `stream`, whole aligned vectors around the caches (STREAM_OUT). */
 static inline void store_panels(__m512 *y, int nt, int64_t panel, int64_t N, int silu_mul,
-                                void *out, int out_dtype, int64_t offset) {
+                                void *out, int out_dtype, int stream, int64_t offset) {
     const int num_out = silu_mul ? nt / 2 : nt; /* output panels */
     const int64_t first = (silu_mul ? panel / 2 : panel) * PANEL;
     if (silu_mul)
@@ -344,17 +363,25 @@ static inline void store_panels(__m512 *y, int nt, int64_t panel, int64_t N, int
     for (int j = 0; j < num_out; j++) {
         const int64_t column = first + j * PANEL;
         const __mmask16 mask = lanes_below(N - column);
-        if (out_dtype == KVRAIL_BF16)
-            store16_u16((uint16_t *)out + offset + column, mask, (__m256i)_mm512_cvtneps_pbh(y[j]));
-        else
-            store16_f32((float *)out + offset + column, mask, y[j]);
+        const int bf16 = out_dtype == KVRAIL_BF16;
+        char *at = (char *)out + (offset + column) * (bf16 ? 2 : 4);
+        if (stream && mask == 0xffff && ((uintptr_t)at & (bf16 ? 31 : 63)) == 0) {
+            if (bf16)
+                _mm256_stream_si256((__m256i *)at, (__m256i)_mm512_cvtneps_pbh(y[j]));
+            else
+                _mm512_stream_ps((float *)at, y[j]);
+        } else if (bf16) {
+            store16_u16((uint16_t *)at, mask, (__m256i)_mm512_cvtneps_pbh(y[j]));
+        } else {
+            store16_f32((float *)at, mask, y[j]);
+        }
     }
 }
 
 static inline void w8a8_epilogue(const int32_t *acc, int mr, int nt, int64_t panel, int64_t N,
                                  const float *x_scale, const float *w_scale, const int32_t *w_comp,
                                  const float *bias, int silu_mul, void *out, int out_dtype,
-                                 int64_t stride_out) {
+                                 int stream, int64_t stride_out) {
     __m512i comp[MAX_NT];
     __m512 scale[MAX_NT], b[MAX_NT];
     for (int j = 0; j < nt; j++) {
@@ -370,7 +397,7 @@ static inline void w8a8_epilogue(const int32_t *acc, int mr, int nt, int64_t pan
             const __m512i sums = _mm512_sub_epi32(_mm512_loadu_si512(row + j * PANEL), comp[j]);
             y[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(xs, scale[j]), b[j]);
         }
-        store_panels(y, nt, panel, N, silu_mul, out, out_dtype, i * stride_out);
+        store_panels(y, nt, panel, N, silu_mul, out, out_dtype, stream, i * stride_out);
     }
 }
 #else
@@ -392,7 +419,8 @@ static inline __m256 silu_mul8(__m256 gate, __m256 up) {
 static inline void w8a8_epilogue(const int32_t *acc, int mr, int nt, int64_t panel, int64_t N,
                                  const float *x_scale, const float *w_scale, const int32_t *w_comp,
                                  const float *bias, int silu_mul, void *out, int out_dtype,
-                                 int64_t stride_out) {
+                                 int stream, int64_t stride_out) {
+    (void)stream; /* stores as usual (STREAM_OUT) */
     const int width = nt * PANEL;
     const int32_t *comp = w_comp + panel * PANEL;
     const float *scale = w_scale + panel * PANEL;
@@ -431,18 +459,18 @@ static inline __attribute__((always_inline)) void w8a8_block(
     const uint8_t *xq, int64_t stride_xq, const int8_t *w, int64_t panel_bytes, int64_t num_groups,
     int mr, int nt, int64_t next, int64_t panel, int64_t N, const float *x_scale,
     const float *w_scale, const int32_t *w_comp, const float *bias, int silu_mul, void *out,
-    int out_dtype, int64_t stride_out) {
+    int out_dtype, int stream, int64_t stride_out) {
     int32_t acc[MAX_MR * MAX_NT * PANEL] __attribute__((aligned(64)));
     w8a8_tile(xq, stride_xq, w, panel_bytes, num_groups, mr, nt, next, acc);
     w8a8_epilogue(acc, mr, nt, panel, N, x_scale, w_scale, w_comp, bias, silu_mul, out, out_dtype,
-                  stride_out);
+                  stream, stride_out);
 }
 
 /* Constant tile shapes, so each instance keeps its accumulators in registers. */
 #define W8A8_CASE(MR, NT)                                                                         \
     case MR * 8 + NT:                                                                             \
         w8a8_block(xq, stride_xq, w, panel_bytes, num_groups, MR, NT, next, panel, N, x_scale,    \
-                   w_scale, w_comp, bias, silu_mul, out, out_dtype, stride_out);                  \
+                   w_scale, w_comp, bias, silu_mul, out, out_dtype, stream, stride_out);          \
         break;
 #define W8A8_CASES(MR) W8A8_CASE(MR, 1) W8A8_CASE(MR, 2) W8A8_CASE(MR, 3) W8A8_CASE(MR, 4)
 
@@ -450,7 +478,7 @@ static void w8a8_dispatch(const uint8_t *xq, int64_t stride_xq, const int8_t *w,
                           int64_t panel_bytes, int64_t num_groups, int mr, int nt, int64_t next,
                           int64_t panel, int64_t N, const float *x_scale, const float *w_scale,
                           const int32_t *w_comp, const float *bias, int silu_mul, void *out,
-                          int out_dtype, int64_t stride_out) {
+                          int out_dtype, int stream, int64_t stride_out) {
     switch (mr * 8 + nt) {
         W8A8_CASES(1) W8A8_CASES(2) W8A8_CASES(3) W8A8_CASES(4) W8A8_CASES(5) W8A8_CASES(6)
     }
@@ -555,6 +583,7 @@ struct kvrail_w8a8_args {
     int64_t out_dtype, num_tokens, num_panels, k_padded;
     int64_t silu_mul;         /* panel 2p gate, 2p + 1 up: out = silu(gate) * up */
     int64_t out_features, stride_out;
+    int64_t stream_out;       /* out is written around the caches (STREAM_OUT) */
 };
 
 /* out = dequant(x_q w^T): every thread multiplies all rows by its range of panels. */
@@ -586,7 +615,7 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
                 w8a8_epilogue(acc, mt * tile_rows, nt, p, a->out_features, a->x_scale + m,
                               a->w_scale, a->w_comp, a->bias, (int)a->silu_mul,
                               (char *)a->out + m * a->stride_out * out_size, (int)a->out_dtype,
-                              a->stride_out);
+                              (int)a->stream_out, a->stride_out);
                 m += mt * tile_rows;
             }
         }
@@ -604,12 +633,13 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
                           m == amx_rows && mr >= W8A8_NEXT_TILE_ROWS ? next : 0, p,
                           a->out_features, a->x_scale + m, a->w_scale, a->w_comp, a->bias,
                           (int)a->silu_mul, (char *)a->out + m * a->stride_out * out_size,
-                          (int)a->out_dtype, a->stride_out);
+                          (int)a->out_dtype, (int)a->stream_out, a->stride_out);
         }
     }
 #ifdef KVRAIL_AMX
     if (amx_rows) _tile_release();
 #endif
+    if (a->stream_out) stream_fence();
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -655,7 +685,7 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
     if (mr > i) {                                                                              \
         __m512 y[MAX_NT] = {c##i##0, c##i##1, c##i##2, c##i##3};                               \
         for (int j = 0; j < nt; j++) y[j] = _mm512_add_ps(y[j], b[j]);                         \
-        store_panels(y, nt, panel, N, silu_mul, out, out_dtype, i * stride_out);               \
+        store_panels(y, nt, panel, N, silu_mul, out, out_dtype, stream, i * stride_out);       \
     }
 
 /* Rows 0..mr-1 of x against nt panels from `panel` on: sums, bias, activation, stores. `next`:
@@ -663,7 +693,7 @@ void kvrail_linear_w8a8(const struct kvrail_w8a8_args *a, int tid, int num_threa
 static inline __attribute__((always_inline)) void pair_tile(
     const uint16_t *x, int64_t stride_x, const uint16_t *w, int64_t panel_elems,
     int64_t num_pairs, int odd, int mr, int nt, int64_t next, int64_t panel, int64_t N,
-    const float *bias, int silu_mul, void *out, int out_dtype, int64_t stride_out) {
+    const float *bias, int silu_mul, void *out, int out_dtype, int stream, int64_t stride_out) {
     PAIR_ZERO(0) PAIR_ZERO(1) PAIR_ZERO(2) PAIR_ZERO(3) PAIR_ZERO(4) PAIR_ZERO(5)
     int64_t g = 0;
     for (; g < num_pairs; g++) PAIR_STEP(4)
@@ -677,14 +707,14 @@ static inline __attribute__((always_inline)) void pair_tile(
 #define PAIR_CASE(MR, NT)                                                                      \
     case MR * 8 + NT:                                                                          \
         pair_tile(x, stride_x, w, panel_elems, num_pairs, odd, MR, NT, next, panel, N, bias,    \
-                  silu_mul, out, out_dtype, stride_out);                                       \
+                  silu_mul, out, out_dtype, stream, stride_out);                               \
         break;
 #define PAIR_CASES(MR) PAIR_CASE(MR, 1) PAIR_CASE(MR, 2) PAIR_CASE(MR, 3) PAIR_CASE(MR, 4)
 
 static void pair_dispatch(const uint16_t *x, int64_t stride_x, const uint16_t *w,
                           int64_t panel_elems, int64_t num_pairs, int odd, int mr, int nt,
                           int64_t next, int64_t panel, int64_t N, const float *bias, int silu_mul,
-                          void *out, int out_dtype, int64_t stride_out) {
+                          void *out, int out_dtype, int stream, int64_t stride_out) {
     switch (mr * 8 + nt) {
         PAIR_CASES(1) PAIR_CASES(2) PAIR_CASES(3) PAIR_CASES(4) PAIR_CASES(5) PAIR_CASES(6)
     }
@@ -699,6 +729,7 @@ struct kvrail_bf16_packed_args {
     int64_t out_dtype, num_tokens, num_panels, in_features;
     int64_t silu_mul;         /* panel 2p gate, 2p + 1 up: out = silu(gate) * up */
     int64_t out_features, stride_x, stride_out;
+    int64_t stream_out;       /* out is written around the caches (STREAM_OUT) */
 };
 
 #ifdef KVRAIL_AMX_BF16
@@ -749,7 +780,7 @@ static void linear_bf16_packed_amx(const struct kvrail_bf16_packed_args *a, int6
                         y[j] = _mm512_add_ps(_mm512_load_ps(acc + i * MAX_NT * PANEL + j * PANEL),
                                              b[j]);
                     store_panels(y, nt, p, a->out_features, (int)a->silu_mul, out,
-                                 (int)a->out_dtype, i * a->stride_out);
+                                 (int)a->out_dtype, (int)a->stream_out, i * a->stride_out);
                 }
                 m += mt * tile_rows;
             }
@@ -767,23 +798,23 @@ void kvrail_linear_bf16_packed(const struct kvrail_bf16_packed_args *a, int tid,
     int64_t begin, end;
     thread_range(a->num_panels, a->silu_mul ? 2 : 1, tid, num_threads, &begin, &end);
 #ifdef KVRAIL_AMX_BF16
-    if (K % AMX_BF16_K == 0 && amx_usable()) {
+    if (K % AMX_BF16_K == 0 && amx_usable())
         linear_bf16_packed_amx(a, begin, end);
-        return;
-    }
+    else
 #endif
-    for (int64_t p = begin; p < end; p += MAX_NT) {
-        const int nt = end - p < MAX_NT ? (int)(end - p) : MAX_NT;
-        const int64_t next = p + MAX_NT < end ? MAX_NT * panel_elems : 0; /* NEXT_TILE */
-        for (int64_t m = 0; m < M; m += MAX_MR) {
-            const int mr = M - m < MAX_MR ? (int)(M - m) : MAX_MR;
-            pair_dispatch(a->x + m * a->stride_x, a->stride_x, a->w_packed + p * panel_elems,
-                          panel_elems, K / 2, (int)(K % 2), mr, nt, m ? 0 : next, p,
-                          a->out_features, a->bias, (int)a->silu_mul,
-                          (char *)a->out + m * a->stride_out * out_size, (int)a->out_dtype,
-                          a->stride_out);
+        for (int64_t p = begin; p < end; p += MAX_NT) {
+            const int nt = end - p < MAX_NT ? (int)(end - p) : MAX_NT;
+            const int64_t next = p + MAX_NT < end ? MAX_NT * panel_elems : 0; /* NEXT_TILE */
+            for (int64_t m = 0; m < M; m += MAX_MR) {
+                const int mr = M - m < MAX_MR ? (int)(M - m) : MAX_MR;
+                pair_dispatch(a->x + m * a->stride_x, a->stride_x, a->w_packed + p * panel_elems,
+                              panel_elems, K / 2, (int)(K % 2), mr, nt, m ? 0 : next, p,
+                              a->out_features, a->bias, (int)a->silu_mul,
+                              (char *)a->out + m * a->stride_out * out_size, (int)a->out_dtype,
+                              (int)a->stream_out, a->stride_out);
+            }
         }
-    }
+    if (a->stream_out) stream_fence();
 }
 #endif
 

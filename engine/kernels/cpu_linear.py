@@ -53,6 +53,7 @@ class W8A8Args(ctypes.Structure):  # struct kvrail_w8a8_args
                 "silu_mul",
                 "out_features",
                 "stride_out",
+                "stream_out",
             )
         ],
     ]
@@ -72,6 +73,7 @@ class Bf16PackedArgs(ctypes.Structure):  # struct kvrail_bf16_packed_args
                 "out_features",
                 "stride_x",
                 "stride_out",
+                "stream_out",
             )
         ],
     ]
@@ -203,8 +205,11 @@ def _check_activations(x: torch.Tensor, in_features: int) -> None:
         raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
 
 
-def linear_w8a8(x: torch.Tensor, weight: PackedInt8Weight) -> torch.Tensor:
-    """x `[M, K]` (float32 or bfloat16) -> `[M, N]` in x's dtype."""
+def linear_w8a8(
+    x: torch.Tensor, weight: PackedInt8Weight, stream_out: bool = False
+) -> torch.Tensor:
+    """x `[M, K]` (float32 or bfloat16) -> `[M, N]` in x's dtype; `stream_out`: written around
+    the caches, for an output read once, later (`cpu_linear.c`, STREAM_OUT)."""
     _check_activations(x, weight.in_features)
     num_tokens = x.shape[0]
     out = empty((num_tokens, weight.out_features), x.dtype)
@@ -240,16 +245,20 @@ def linear_w8a8(x: torch.Tensor, weight: PackedInt8Weight) -> torch.Tensor:
         silu_mul=weight.silu_mul,
         out_features=weight.out_features,
         stride_out=out.stride(0),
+        stream_out=stream_out,
     )
     launch("kvrail_linear_w8a8", multiply, x_q, x_scale, weight, out)
     return out
 
 
 def linear_bf16_packed(
-    x: torch.Tensor, weight: PackedBf16Weight, out_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    weight: PackedBf16Weight,
+    out_dtype: torch.dtype | None = None,
+    stream_out: bool = False,
 ) -> torch.Tensor:
     """x `[M, K]` bfloat16 -> `[M, N]` in `out_dtype`: bfloat16 (None) or float32, the sums
-    unrounded."""
+    unrounded; `stream_out` as in `linear_w8a8`."""
     _check_activations(x, weight.in_features)
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bfloat16, got {x.dtype}")
@@ -271,6 +280,7 @@ def linear_bf16_packed(
             out_features=weight.out_features,
             stride_x=x.stride(0),
             stride_out=out.stride(0),
+            stream_out=stream_out,
         )
         launch("kvrail_linear_bf16_packed", args, x, weight, out)
     return out

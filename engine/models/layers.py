@@ -24,6 +24,13 @@ from torch import nn
 
 # A step-size limit that no step reaches: the C kernels serve every batch size.
 ALL_TOKENS = 1 << 30
+# Logits of at least this many bytes are written around the caches by the C kernels
+# (`cpu_linear.c`, STREAM_OUT): several times a core's L2 (1-2 MiB), they leave it before the
+# sampler reads them anyway. By hand on an AMX Xeon, the LM head of SmolLM2 and an argmax over
+# its fp32 logits in turn with the library before, the caches flushed of 64 MB before each:
+# 0.78x the time at 128 rows (25 MB of logits), 0.89x at 64, 0.98x at 32 (6 MB), 1.02-1.11x
+# at 4-16.
+STREAM_LOGITS_MIN_BYTES = 8 << 20
 
 
 def cpu_float_kernel_max_tokens(dtype: torch.dtype) -> int:
@@ -120,7 +127,10 @@ class LinearMethod:
         if self.packs_bf16:
             from engine.kernels.cpu_linear import linear_bf16_packed
 
-            return linear_bf16_packed(x, layer.packed, torch.float32 if layer.fp32_out else None)
+            out_dtype = torch.float32 if layer.computes_logits else x.dtype
+            return linear_bf16_packed(
+                x, layer.packed, out_dtype, layer.streams_out(x.shape[0], out_dtype)
+            )
         if self.on_cpu and x.shape[0] <= self.cpu_float_max_tokens:
             from engine.kernels.cpu_linear import linear_float
 
@@ -129,7 +139,7 @@ class LinearMethod:
                 layer.weight,
                 layer.bias_f32,
                 layer.activation == "silu_and_mul",
-                torch.float32 if layer.fp32_out else None,
+                torch.float32 if layer.computes_logits else None,
             )
         return self.activate(layer, F.linear(x, layer.weight, layer.bias))
 
@@ -160,7 +170,7 @@ class Linear(nn.Module):
         bias: bool,
         method: LinearMethod,
         activation: str | None = None,
-        fp32_out: bool = False,
+        computes_logits: bool = False,
     ) -> None:
         super().__init__()
         if activation not in ACTIVATIONS:
@@ -169,12 +179,13 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.method = method
         self.activation = activation
-        # The LM head: where the C float kernel multiplies, its fp32 sums come out unrounded.
+        # The LM head. Where the C float kernel multiplies, its fp32 sums come out unrounded:
         # bf16 logits keep 8 bits (a step of 0.125 near 25), so the top two candidates often
         # tie and the argmax takes the lower id: SmolLM2's answer to the README's first
         # question began with "L" (25.369 in fp32) instead of "The" (25.421), both 25.375 in
-        # bf16, once small steps moved to the AMX tiles (the C float kernel's then).
-        self.fp32_out = fp32_out
+        # bf16, once small steps moved to the AMX tiles (the C float kernel's then). And large
+        # outputs are streamed (`streams_out`).
+        self.computes_logits = computes_logits
         dtype = method.load_dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
@@ -182,6 +193,12 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
+
+    def streams_out(self, num_tokens: int, out_dtype: torch.dtype) -> bool:
+        """Whether a C kernel writes this call's output around the caches: logits of at least
+        `STREAM_LOGITS_MIN_BYTES`, which the sampler reads once, after the whole product."""
+        num_bytes = num_tokens * self.out_features * out_dtype.itemsize
+        return self.computes_logits and num_bytes >= STREAM_LOGITS_MIN_BYTES
 
     def extra_repr(self) -> str:
         return (

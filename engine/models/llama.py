@@ -274,7 +274,9 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu'")
         self.config = config
         self.model = LlamaModel(config, attn_backend, ArchTraits(config, architecture), method)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, method, fp32_out=True)
+        self.lm_head = Linear(
+            config.hidden_size, config.vocab_size, False, method, computes_logits=True
+        )
         self.tie_word_embeddings = bool(config.tie_word_embeddings)
         if self.tie_word_embeddings:
             self.model.embed_tokens.tie_to(self.lm_head)
@@ -288,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """`[N, hidden]` (the rows to sample from) -> `[N, vocab]` logits in the model's dtype,
-        or in float32 where the C float kernel computes them (`Linear.fp32_out`): the sampler
+        or in float32 where the C float kernel computes them (`Linear.computes_logits`): the sampler
         takes float32 where it computes with them (as vLLM's does), and a greedy argmax needs
         no copy (128 x 49,152 bf16 logits to float32: 1.1 ms of a CPU decode step)."""
         return self.lm_head(hidden_states)

@@ -209,6 +209,36 @@ def test_packed_bf16_kernel_matches_torch(m, n, k, silu_mul, has_bias):
         assert torch.equal(alone[0], out32[i])
 
 
+@pytest.mark.parametrize("m,n", [(1, 100), (40, 96), (300, 100)])
+def test_streamed_outputs_equal_the_stored_ones(m, n):
+    """`stream_out` (logits written around the caches) changes how each line is stored, never
+    what: both kernels, on the vector and tile paths, with a last panel only partly filled."""
+    x, w, bias = _int8_inputs(m, n, 64, torch.bfloat16)
+    w_q, scale = quantize_rows_int8(w)
+    packed = cpu_linear.pack_int8(w_q, scale, bias, False)
+    assert torch.equal(
+        cpu_linear.linear_w8a8(x, packed, stream_out=True), cpu_linear.linear_w8a8(x, packed)
+    )
+    if torch.cpu._is_avx512_bf16_supported():
+        packed_bf16 = cpu_linear.pack_bf16(w.bfloat16(), bias, False)
+        for out_dtype in (torch.bfloat16, torch.float32):
+            streamed = cpu_linear.linear_bf16_packed(x, packed_bf16, out_dtype, stream_out=True)
+            assert torch.equal(streamed, cpu_linear.linear_bf16_packed(x, packed_bf16, out_dtype))
+
+
+def test_only_large_logits_are_streamed():
+    from engine.models.layers import STREAM_LOGITS_MIN_BYTES, Linear, LinearMethod
+
+    method = LinearMethod(None, torch.float32)
+    head = Linear(576, 49152, False, method, computes_logits=True)
+    rows = STREAM_LOGITS_MIN_BYTES // (49152 * 4)  # rows + 1: the fewest fp32 rows that stream
+    assert head.streams_out(rows + 1, torch.float32)
+    assert not head.streams_out(rows, torch.float32)
+    assert not head.streams_out(rows + 1, torch.bfloat16)  # half the bytes
+    other = Linear(576, 49152, False, method)
+    assert not other.streams_out(4096, torch.float32)
+
+
 def _at_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
     """A copy of `t` starting `offset` elements into a fresh buffer: other addresses, so a
     kernel whose code path depends on them (alignment, alias checks) shows it."""
