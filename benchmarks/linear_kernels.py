@@ -31,6 +31,15 @@ and leaves DRAM idle in between. torch's systems, which a graph cannot record, r
     python -m benchmarks.linear_kernels --per-layer-weights --num-tokens 1,8,16,32,64,96,128
     python -m benchmarks.linear_kernels --num-tokens 6,128,2048 --baseline-ref HEAD
     python -m benchmarks.linear_kernels --per-layer-weights --graph --num-tokens 1,6,128
+
+`--logits` times the LM head instead, as a decode step runs it: the C kernel's product (packed
+bf16 with float32 logits where the CPU packs bf16, W8A8 with logits in the activations' dtype)
+and the greedy argmax over it, after 64 MB of other memory has been written (what the step's
+weights and KV cache do to the caches), with the logits stored as usual and streamed around the
+caches (`stream_out`, `cpu_linear.c` STREAM_OUT) in turn: what `Linear.streams_out`'s limit
+rests on.
+
+    python -m benchmarks.linear_kernels --logits --num-tokens 1,4,8,16,32,64,128,256
 """
 
 from __future__ import annotations
@@ -62,8 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--graph", action="store_true", help="C kernels replayed as one CPU graph per pass")
     add("--baseline-ref", type=git_ref, default=None,
         help="also time the C kernels of this git ref's library")  # fmt: skip
+    add("--logits", action="store_true", help="the LM head and its argmax, streamed or not")
     add("--name", default="linear_kernels")
     args = parser.parse_args(argv)
+    if args.logits and (args.per_layer_weights or args.graph or args.baseline_ref):
+        parser.error("--logits takes none of --per-layer-weights, --graph, --baseline-ref")
     args.num_tokens = [int(m) for m in args.num_tokens.split(",")]
     return args
 
@@ -118,8 +130,77 @@ def time_pass(run_pass: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+def logits_main(args: argparse.Namespace) -> int:
+    """`--logits`: see the module docstring."""
+    import torch
+    from transformers import AutoConfig
+
+    from engine import resolve_model
+    from engine.kernels.cpu_linear import linear_bf16_packed, linear_w8a8, pack_bf16, pack_int8
+    from engine.kernels.cpu_ops import argmax_rows
+    from engine.kernels.int8_ref import quantize_rows_int8
+    from engine.model_runner import resolve_dtype
+    from engine.models.layers import packs_bf16
+
+    config = AutoConfig.from_pretrained(resolve_model(args.model))
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    n_in, n_out, _ = engine_shapes(config)[-1]
+    w = torch.randn(n_out, n_in, dtype=dtype) * n_in**-0.5
+    heads = {"C int8": (linear_w8a8, pack_int8(*quantize_rows_int8(w), None, False))}
+    if packs_bf16(dtype):
+        packed = pack_bf16(w, None, False)
+        heads["C packed bf16"] = (
+            lambda x, head, stream: linear_bf16_packed(x, head, torch.float32, stream),
+            packed,
+        )
+    other = torch.zeros(64 << 20 >> 2)
+
+    def step(x: torch.Tensor, linear: Callable, head: Any, stream: bool) -> float:
+        other.add_(1.0)
+        start = time.perf_counter()
+        argmax_rows(linear(x, head, stream))
+        return time.perf_counter() - start
+
+    results, rows = [], []
+    with torch.inference_mode():
+        for num_tokens in args.num_tokens:
+            x = torch.randn(num_tokens, n_in, dtype=dtype)
+            times: dict[str, list[float]] = {}
+            for _ in range(args.rounds + 1):  # the first round warms up
+                for name, (linear, head) in heads.items():
+                    for stream in (False, True):
+                        times.setdefault(f"{name}{' streamed' * stream}", []).append(
+                            step(x, linear, head, stream)
+                        )
+            ms = {label: 1e3 * statistics.median(t[1:]) for label, t in times.items()}
+            results.append(dict(num_tokens=num_tokens, ms=ms))
+            rows.append(
+                [num_tokens]
+                + [fmt(ms[label], 3) for label in times]
+                + [fmt(ms[f"{name} streamed"] / ms[name], 2) for name in heads]
+            )
+    headers = [
+        "tokens (M)",
+        *(f"{label} ms" for label in times),
+        *(f"{name}: streamed / stored" for name in heads),
+    ]
+    markdown = "\n\n".join(
+        [
+            "# The LM head and its argmax: logits stored or streamed",
+            f"{n_out} x {n_in}, activations in {dtype}, 64 MB written before each, "
+            f"{torch.get_num_threads()} threads, {platform.machine()}; medians of "
+            f"{args.rounds} rounds, the systems alternating.",
+            markdown_table(headers, rows),
+        ]
+    )
+    write_results(args.name, dict(args=vars(args), dtype=str(dtype), results=results), markdown)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.logits:
+        return logits_main(args)
     import torch
     import torch.nn.functional as F
     from transformers import AutoConfig

@@ -270,6 +270,23 @@ def test_a_baseline_ref_that_names_no_commit_is_refused_up_front(script, capsys)
     assert "'no-such-ref' names no commit of this repository" in capsys.readouterr().err
 
 
+def test_linear_kernels_logits_times_each_head_stored_and_streamed(tmp_path, capsys):
+    import json
+
+    from benchmarks.linear_kernels import main, parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--logits", "--graph"])
+    assert exit_info.value.code == 2
+    assert "--logits takes none of" in capsys.readouterr().err
+    name = str(tmp_path / "logits")
+    assert main(["--logits", "--num-tokens", "2", "--rounds", "1", "--name", name]) == 0
+    (result,) = json.loads((tmp_path / "logits.json").read_text())["results"]
+    assert result["num_tokens"] == 2
+    assert {"C int8", "C int8 streamed"} <= set(result["ms"])
+    assert all(ms > 0 for ms in result["ms"].values())
+
+
 def test_linear_kernels_graph_pass_replays_every_kernel_of_the_eager_pass():
     """`--graph` times a recording of the same kernels, over each shape's matrices in turn."""
     import torch

@@ -301,17 +301,20 @@ static inline __attribute__((always_inline)) void w8a8_tile(const uint8_t *xq, i
 
 /* STREAM_OUT: an output read once, later, by another kernel (the LM head's logits, which the
  * sampler reads after the whole product) is written with non-temporal stores: whole lines
- * straight to memory, with no read for ownership and no cache line taken. By hand on 2 vCPUs of
- * an AMX Xeon (family 6 model 167), SmolLM2's LM head (49,152 x 576) in packed bf16 with fp32
- * logits, the two libraries in turn in one process: 128 rows 9.5 -> 5.7 ms, 256 rows 20.8 ->
- * 10.4 ms. The rows are 196,608 bytes apart, a multiple of 4 KiB, so they share cache sets;
- * padded 64 bytes off it instead, 8.5 and 17.6 ms. In the engine, a decode step of 128 requests
- * (`python -m benchmarks.profile_step --attention-backends cpu [--quantization int8]
- * --num-requests 128 --input-len 64:512 --output-len 64:256 --skip-steps 60 --steps 10`, before
- * and after): bf16 (two runs each way) the LM head 12.6-15.3 -> 9.7-10.3 ms, its argmax 1.1 ->
- * 1.5 ms, the step 108.0-110.7 -> 105.6-109.2 ms; int8 (bf16 logits) the LM head 5.9 -> 3.3 ms,
- * the step 98.2 -> 95.6 ms. Only the AVX-512 epilogues stream (store_panels); the others store
- * as usual. */
+ * straight to memory, with no read for ownership and no cache line taken. Its rows (SmolLM2's
+ * 49,152 logits) are a multiple of 4 KiB apart, so stored as usual they also share their cache
+ * sets. On 2 vCPUs of an AMX Xeon (family 6 model 167), the LM head and its argmax after 64 MB
+ * of other writes (`python -m benchmarks.linear_kernels --logits`,
+ * results/linear_kernels-amx-logits.md), streamed against stored: packed bf16 with fp32 logits
+ * 0.66x the time at 128 and 256 rows, W8A8 with bf16 logits 0.67x at 128 and 0.41x at 256, 0.95x
+ * at 64 and 0.95-1.04x at 1-32 (`Linear.streams_out` streams 8 MiB and more). By hand, rows
+ * padded 64 bytes off their 4 KiB multiple instead gained 0.89x at 128 rows. In the engine, a
+ * decode step of 128 requests (`python -m benchmarks.profile_step --attention-backends cpu
+ * [--quantization int8] --num-requests 128 --input-len 64:512 --output-len 64:256 --skip-steps
+ * 60 --steps 10`, before and after): bf16 (two runs each way) the LM head 12.6-15.3 -> 9.7-10.3
+ * ms, its argmax 1.1 -> 1.5 ms, the step 108.0-110.7 -> 105.6-109.2 ms; int8 the LM head 5.9 ->
+ * 3.3 ms, the step 98.2 -> 95.6 ms. Only the AVX-512 epilogues stream (store_panels); the others
+ * store as usual. */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define stream_fence() _mm_sfence() /* the streamed lines visible before the team's barrier */
 #else

@@ -26,10 +26,11 @@ from torch import nn
 ALL_TOKENS = 1 << 30
 # Logits of at least this many bytes are written around the caches by the C kernels
 # (`cpu_linear.c`, STREAM_OUT): several times a core's L2 (1-2 MiB), they leave it before the
-# sampler reads them anyway. By hand on an AMX Xeon, the LM head of SmolLM2 and an argmax over
-# its fp32 logits in turn with the library before, the caches flushed of 64 MB before each:
-# 0.78x the time at 128 rows (25 MB of logits), 0.89x at 64, 0.98x at 32 (6 MB), 1.02-1.11x
-# at 4-16.
+# sampler reads them anyway. On an AMX Xeon, SmolLM2's LM head and the argmax over it, streamed
+# against stored (`python -m benchmarks.linear_kernels --logits`,
+# results/linear_kernels-amx-logits.md): packed bf16 (fp32 logits) 0.66x the time at 128 rows
+# (25 MB), 0.95x at 64, 0.95-0.98x at 1-32; W8A8 (bf16 logits) 0.41x at 256 rows, 0.67x at 128,
+# 0.95x at 64, 0.96-1.04x at 1-32.
 STREAM_LOGITS_MIN_BYTES = 8 << 20
 
 
