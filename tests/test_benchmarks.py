@@ -6,6 +6,7 @@ import itertools
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -171,6 +172,27 @@ def test_run_timed_offline_reports_a_failed_request_as_not_ok():
     timings, _ = run_timed_offline(engine, workload, [0.0] * 3)
     assert [t.ok for t in timings] == [True, False, True]
     assert timings[1].error == "boom" and timings[1].chunk_times == []
+
+
+def test_priority_backlog_stays_in_flight_while_the_stream_lasts_then_drains():
+    from benchmarks.priority import Backlog, backlog_requests
+
+    args = SimpleNamespace(low_input_len=(4, 8), low_output_len=(2, 3), seed=0)
+    high = [
+        replace(r, request_id=f"high-{i}")
+        for i, r in enumerate(make_workload(TOKENS, 3, (4, 8), (5, 5), seed=1))
+    ]
+    engine = FakeEngine()
+    loaded = Backlog(engine, backlog_requests(args, TOKENS, 1), 4, [r.request_id for r in high])
+    loaded.fill(2)
+    assert len(loaded.ttfts) >= 2 and len(engine.left) == 4
+    # The driver sees the stream's outputs alone (a backlog id would be a KeyError there).
+    timings, _ = run_timed_offline(loaded, high, [0.0] * 3)
+    assert [t.output_tokens for t in timings] == [5, 5, 5] and all(t.ok for t in timings)
+    assert engine.max_running == 4 + 3  # the backlog topped up while the stream ran
+    assert not engine.left and not loaded.in_flight  # drained once the stream was done
+    # Each backlog request of 2-3 tokens finished and was replaced, each with its first token.
+    assert loaded.num_completed == len(loaded.ttfts) > 4
 
 
 def test_model_flops_per_token_smollm2():
