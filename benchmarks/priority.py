@@ -234,13 +234,13 @@ def run_budget(args: argparse.Namespace, budget: int) -> tuple[dict[str, Any], l
 
     token_ids = corpus_token_ids(fresh("fcfs").tokenizer)
     high, high_offsets = stream(args, token_ids)
-    seats = (args.low_in_flight, args.max_num_seqs, high, high_offsets)
+    loaded = (args.low_in_flight, args.max_num_seqs, high, high_offsets)
     results = {
         "alone": run_idle(fresh("priority"), high, None),
         "idle": run_idle(fresh("priority"), high, high_offsets),
-        "priority": run_loaded(fresh("priority"), backlog_requests(args, token_ids, 1), *seats),
+        "priority": run_loaded(fresh("priority"), backlog_requests(args, token_ids, 1), *loaded),
         # fcfs takes priority 0 only: the same requests, no one ahead of anyone
-        "fcfs": run_loaded(fresh("fcfs"), backlog_requests(args, token_ids, 0), *seats),
+        "fcfs": run_loaded(fresh("fcfs"), backlog_requests(args, token_ids, 0), *loaded),
     }
     idle_p99 = results["idle"]["high_ttft"]["p99_ms"]
     for name in ("alone", "priority", "fcfs"):
