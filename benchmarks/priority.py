@@ -192,16 +192,15 @@ def run_idle(engine: Any, high: list, high_offsets: list[float] | None) -> dict[
 
 def run_loaded(
     engine: Any,
+    args: argparse.Namespace,
     backlog: Iterator[BenchRequest],
-    num_in_flight: int,
-    num_seats: int,
     high: list,
     high_offsets: list[float],
 ) -> dict[str, Any]:
     """TTFTs of the stream arriving during the backlog, and how the backlog fared."""
-    loaded = Backlog(engine, backlog, num_in_flight, [r.request_id for r in high])
+    loaded = Backlog(engine, backlog, args.low_in_flight, [r.request_id for r in high])
     start = time.perf_counter()
-    loaded.fill(num_seats)
+    loaded.fill(args.max_num_seqs)
     fill_s = time.perf_counter() - start
     timings, duration = run_timed_offline(loaded, high, high_offsets)
     return {
@@ -234,13 +233,16 @@ def run_budget(args: argparse.Namespace, budget: int) -> tuple[dict[str, Any], l
 
     token_ids = corpus_token_ids(fresh("fcfs").tokenizer)
     high, high_offsets = stream(args, token_ids)
-    loaded = (args.low_in_flight, args.max_num_seqs, high, high_offsets)
     results = {
         "alone": run_idle(fresh("priority"), high, None),
         "idle": run_idle(fresh("priority"), high, high_offsets),
-        "priority": run_loaded(fresh("priority"), backlog_requests(args, token_ids, 1), *loaded),
+        "priority": run_loaded(
+            fresh("priority"), args, backlog_requests(args, token_ids, 1), high, high_offsets
+        ),
         # fcfs takes priority 0 only: the same requests, no one ahead of anyone
-        "fcfs": run_loaded(fresh("fcfs"), backlog_requests(args, token_ids, 0), *loaded),
+        "fcfs": run_loaded(
+            fresh("fcfs"), args, backlog_requests(args, token_ids, 0), high, high_offsets
+        ),
     }
     idle_p99 = results["idle"]["high_ttft"]["p99_ms"]
     for name in ("alone", "priority", "fcfs"):

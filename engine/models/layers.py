@@ -25,12 +25,9 @@ from torch import nn
 # A step-size limit that no step reaches: the C kernels serve every batch size.
 ALL_TOKENS = 1 << 30
 # Logits of at least this many bytes are written around the caches by the C kernels
-# (`cpu_linear.c`, STREAM_OUT): several times a core's L2 (1-2 MiB), they leave it before the
-# sampler reads them anyway. On an AMX Xeon, SmolLM2's LM head and the argmax over it, streamed
-# against stored (`python -m benchmarks.linear_kernels --logits`,
-# results/linear_kernels-amx-logits.md): packed bf16 (fp32 logits) 0.66x the time at 128 rows
-# (25 MB), 0.95x at 64, 0.95-0.98x at 1-32; W8A8 (bf16 logits) 0.41x at 256 rows, 0.67x at 128,
-# 0.95x at 64, 0.96-1.04x at 1-32.
+# (`cpu_linear.c`, STREAM_OUT, whose figures say where it pays): several times a core's L2
+# (1-2 MiB), they leave it before the sampler reads them anyway; at 1-32 rows of SmolLM2's
+# logits (at most 6 MB in fp32) streaming measured 0.95-1.04x the time, no clear gain.
 STREAM_LOGITS_MIN_BYTES = 8 << 20
 
 
